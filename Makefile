@@ -1,0 +1,44 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Each installs
+# what it needs (Debian libraries, a virtual environment with pinned versions) and
+# is safe to run again.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The transfer engine's CUDA wheel fails to import without libcudart and a driver,
+# so only hosts that have both get it.
+MOONCAKE_EXTRA := $(shell if command -v nvidia-smi >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libcudart; then echo mooncake; else echo mooncake-cpu; fi)
+STAMP := $(VENV)/.installed-$(MOONCAKE_EXTRA)
+APT_PACKAGES := libibverbs1 libnuma1
+PYTEST_ARGS ?=
+
+.PHONY: demo test deps system-deps schema clean
+
+demo: deps
+	$(VENV)/bin/pdxfer demo
+
+test: deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+deps: $(STAMP)
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml requirements/pins.txt | system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c requirements/pins.txt -e '.[$(MOONCAKE_EXTRA),torch,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Regenerate proto/schema.json from pdxfer/protocol.py (a test fails when they drift).
+schema: deps
+	$(PY) -m pdxfer.protocol > proto/schema.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,450 @@
+"""The engine-side library: create shared-memory KV pools and aux buffers, register
+them with the local daemon, and run rooms.
+
+    with Client("ipc:///tmp/pdxfer-0/decode.engine.sock") as client:
+        kv = client.create_kv_pool(KVLayout(layout=Layout.MHA, num_layers=32, num_pages=4096,
+                                            page_size=16, token_bytes=1024, dtype="bfloat16"))
+        aux = client.create_aux_buffer(num_slots=256, payload_bytes=4096)
+        slot = client.alloc_slot()
+        client.expect(room, "10.0.0.5:8998", pages, slot, num_draft_tokens=4)
+        status = client.wait(room)          # Success, or Failed once fenced
+        ...read kv.tensors() and aux.payload(slot)...
+        client.release(room)
+
+``Client`` is synchronous (one call at a time, no threads); ``AsyncClient`` has the
+same methods as coroutines. Both raise pdxfer.errors types for error replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import NamedTuple
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from . import errors
+from .memory import SharedMemory
+from .plan import layout_regions, pages_to_bytes, pool_bytes
+from .protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    AllocSlot,
+    Busy,
+    Codec,
+    EngineHello,
+    Error,
+    Expect,
+    FreeSlot,
+    KVLayout,
+    Message,
+    Poll,
+    RegisterAux,
+    RegisterKV,
+    Release,
+    RoomState,
+    RoomStatus,
+    Send,
+    SlotGrant,
+)
+from .stamp import HEADER_BYTES
+
+_ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls is not errors.Busy}
+
+
+def raise_for(reply: Message) -> Message:
+    """Return a successful reply; raise the typed error an error reply stands for."""
+    if isinstance(reply, Error):
+        raise _ERRORS.get(reply.code, errors.PdxferError)(reply.message, room=reply.room)
+    if isinstance(reply, Busy):
+        raise errors.Busy(reply.reason, retry_after_ms=reply.retry_after_ms)
+    return reply
+
+
+def settled(status: RoomStatus) -> bool:
+    """Success, or Failed with no write still able to land."""
+    return status.state is RoomState.SUCCESS or (status.state is RoomState.FAILED and status.fenced)
+
+
+class Slot(NamedTuple):
+    index: int
+    generation: int
+
+
+class KVPool:
+    """An engine's KV pool in shared memory; views per layout region."""
+
+    def __init__(self, memory: SharedMemory, layout: KVLayout, version: int = 1) -> None:
+        self.memory = memory
+        self.layout = layout
+        self.version = version
+        self.regions = layout_regions(layout)
+
+    @classmethod
+    def create(cls, layout: KVLayout) -> "KVPool":
+        return cls(SharedMemory.create(pool_bytes(layout), prefix="pdxfer-kv"), layout)
+
+    def arrays(self) -> list[np.ndarray]:
+        """One uint8 array per region, shaped [num_pages, page_bytes]."""
+        n = self.layout.num_pages
+        return [self.memory.array[r.offset : r.offset + n * r.page_bytes].reshape(n, r.page_bytes) for r in self.regions]
+
+    def tensors(self):
+        """One torch tensor per region, [num_pages, tokens per page, elements per token],
+        in the layout's dtype (torch is imported here only)."""
+        import torch
+
+        dtype = getattr(torch, self.layout.dtype)
+        flat = torch.frombuffer(self.memory.array, dtype=torch.uint8)
+        n = self.layout.num_pages
+        out = []
+        for r in self.regions:
+            region = flat[r.offset : r.offset + n * r.page_bytes].view(dtype)
+            out.append(region.view(n, -1, self.layout.token_bytes // region.element_size()))
+        return out
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+class AuxBuffer:
+    """num_slots slots; each a 32-byte stamp header (the daemon's) then the payload."""
+
+    def __init__(self, memory: SharedMemory, num_slots: int, slot_bytes: int) -> None:
+        self.memory = memory
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+
+    @classmethod
+    def create(cls, num_slots: int, payload_bytes: int) -> "AuxBuffer":
+        slot_bytes = HEADER_BYTES + payload_bytes
+        return cls(SharedMemory.create(num_slots * slot_bytes, prefix="pdxfer-aux"), num_slots, slot_bytes)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.slot_bytes - HEADER_BYTES
+
+    def payload(self, slot: Slot | int) -> np.ndarray:
+        """The writable payload area of a slot (uint8)."""
+        index = slot[0] if isinstance(slot, tuple) else slot
+        start = index * self.slot_bytes + HEADER_BYTES
+        return self.memory.array[start : start + self.payload_bytes]
+
+    def tensor(self):
+        import torch
+
+        return torch.frombuffer(self.memory.array, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)[:, HEADER_BYTES:]
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+class _Requests:
+    """Message builders shared by both clients."""
+
+    def __init__(self, endpoint: str, timeout: float = 30.0, name: str = "") -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.name = name
+        self.codec = Codec()
+        self.kv: KVPool | None = None
+        self.aux: AuxBuffer | None = None
+        self.welcome = None
+        self._req = itertools.count(1)
+
+    def _kv_version(self, memory_version: int | None) -> int:
+        if memory_version is not None:
+            return memory_version
+        if self.kv is None:
+            raise errors.NotRegistered("create_kv_pool() first")
+        return self.kv.version
+
+    def _hello(self) -> EngineHello:
+        return EngineHello(req=next(self._req), version=PROTOCOL_VERSION, engine=self.name)
+
+    def _register_kv(self, pool: KVPool) -> RegisterKV:
+        return RegisterKV(req=next(self._req), memory=pool.memory.handle, layout=pool.layout, memory_version=pool.version)
+
+    def _register_aux(self, aux: AuxBuffer) -> RegisterAux:
+        return RegisterAux(req=next(self._req), memory=aux.memory.handle, num_slots=aux.num_slots, slot_bytes=aux.slot_bytes)
+
+    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version) -> Send:
+        if aux_bytes is None:
+            aux_bytes = self.aux.payload_bytes if self.aux else 0
+        return Send(
+            req=next(self._req), room=room, pages=pages_to_bytes(pages), num_tokens=num_tokens,
+            slot=slot[0], generation=slot[1], aux_bytes=aux_bytes, memory_version=self._kv_version(memory_version),
+        )
+
+    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version) -> Expect:
+        return Expect(
+            req=next(self._req), room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
+            generation=slot[1], memory_version=self._kv_version(memory_version), num_draft_tokens=num_draft_tokens,
+        )
+
+    def _poll(self, room: int) -> Poll:
+        return Poll(req=next(self._req), room=room)
+
+    def _abort(self, room: int, reason: str) -> Abort:
+        return Abort(req=next(self._req), room=room, reason=reason)
+
+    def _release(self, room: int) -> Release:
+        return Release(req=next(self._req), room=room)
+
+    def _alloc(self) -> AllocSlot:
+        return AllocSlot(req=next(self._req))
+
+    def _free(self, slot: Slot) -> FreeSlot:
+        return FreeSlot(req=next(self._req), slot=slot[0], generation=slot[1])
+
+    def _replace_kv(self) -> KVPool:
+        """The same pool under a new memory version (after the engine relocated pages)."""
+        if self.kv is None:
+            raise errors.NotRegistered("create_kv_pool() first")
+        self.kv.version += 1
+        return self.kv
+
+    def _close_pools(self) -> None:
+        for pool in (self.kv, self.aux):
+            if pool is not None:
+                pool.close()
+        self.kv = self.aux = None
+
+
+class Client(_Requests):
+    """Synchronous engine client."""
+
+    _sock: zmq.Socket | None = None
+
+    def connect(self):
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._status: dict[int, RoomStatus] = {}
+        self.welcome = self._call(self._hello())
+        return self.welcome
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._close_pools()
+
+    def __enter__(self) -> "Client":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _take(self, raw: bytes):
+        """Decode one incoming message; pushed room statuses are recorded."""
+        msg = self.codec.engine_replies.decode(raw)
+        if isinstance(msg, RoomStatus) and msg.req == 0:
+            self._status[msg.room] = msg
+            return None
+        return msg
+
+    def _call(self, msg: Message):
+        self._sock.send(self.codec.encode(msg))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s")
+            reply = self._take(self._sock.recv())
+            if reply is not None and getattr(reply, "req", None) == msg.req:
+                return raise_for(reply)
+
+    def _drain(self, timeout_ms: int = 0) -> None:
+        while self._sock.poll(timeout_ms):
+            self._take(self._sock.recv())
+            timeout_ms = 0
+
+    def create_kv_pool(self, layout: KVLayout) -> KVPool:
+        pool = KVPool.create(layout)
+        self._call(self._register_kv(pool))
+        self.kv = pool
+        return pool
+
+    def reregister_kv(self) -> int:
+        self._call(self._register_kv(self._replace_kv()))
+        return self.kv.version
+
+    def create_aux_buffer(self, num_slots: int, payload_bytes: int) -> AuxBuffer:
+        aux = AuxBuffer.create(num_slots, payload_bytes)
+        self._call(self._register_aux(aux))
+        self.aux = aux
+        return aux
+
+    def alloc_slot(self) -> Slot:
+        grant: SlotGrant = self._call(self._alloc())
+        return Slot(grant.slot, grant.generation)
+
+    def free_slot(self, slot: Slot) -> None:
+        self._call(self._free(slot))
+
+    def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
+        self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))
+
+    def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None) -> None:
+        self._call(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version))
+
+    def poll(self, room: int) -> RoomStatus:
+        self._drain()
+        known = self._status.get(room)
+        if known is not None and settled(known):
+            return known
+        return self._call(self._poll(room))
+
+    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Block until the room succeeded, or failed and is fenced."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        status = self.poll(room)
+        while not settled(status):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.Timeout(f"room {room} still {status.state.value} after waiting", room=room)
+            self._drain(int(min(left, 0.2) * 1000) + 1)
+            status = self._status.get(room) or status
+            if not settled(status):
+                status = self._call(self._poll(room))
+        return status
+
+    def abort(self, room: int, reason: str = "aborted by engine") -> None:
+        self._call(self._abort(room, reason))
+
+    def release(self, room: int) -> None:
+        self._call(self._release(room))
+        self._status.pop(room, None)
+
+
+class AsyncClient(_Requests):
+    """asyncio engine client; many calls may be in flight at once."""
+
+    _sock: zmq.asyncio.Socket | None = None
+
+    async def connect(self):
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._status: dict[int, RoomStatus] = {}
+        self._waiters: dict[int, list[asyncio.Future]] = {}
+        self._reader = asyncio.create_task(self._read())
+        self.welcome = await self._call(self._hello())
+        return self.welcome
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._sock.close(0)
+            self._sock = None
+        self._close_pools()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = self.codec.engine_replies.decode(await self._sock.recv())
+                if isinstance(msg, RoomStatus) and msg.req == 0:
+                    self._status[msg.room] = msg
+                    if settled(msg):
+                        for fut in self._waiters.pop(msg.room, ()):
+                            if not fut.done():
+                                fut.set_result(msg)
+                    continue
+                fut = self._pending.pop(getattr(msg, "req", 0), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a lost daemon fails every waiter, it does not hang them
+            for fut in [*self._pending.values(), *(f for fs in self._waiters.values() for f in fs)]:
+                if not fut.done():
+                    fut.set_exception(errors.PdxferError(f"engine client reader stopped: {exc!r}"))
+            raise
+
+    async def _call(self, msg: Message):
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg.req] = fut
+        await self._sock.send(self.codec.encode(msg))
+        try:
+            reply = await asyncio.wait_for(fut, self.timeout)
+        except asyncio.TimeoutError:
+            raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s") from None
+        finally:
+            self._pending.pop(msg.req, None)
+        return raise_for(reply)
+
+    async def create_kv_pool(self, layout: KVLayout) -> KVPool:
+        pool = KVPool.create(layout)
+        await self._call(self._register_kv(pool))
+        self.kv = pool
+        return pool
+
+    async def reregister_kv(self) -> int:
+        await self._call(self._register_kv(self._replace_kv()))
+        return self.kv.version
+
+    async def create_aux_buffer(self, num_slots: int, payload_bytes: int) -> AuxBuffer:
+        aux = AuxBuffer.create(num_slots, payload_bytes)
+        await self._call(self._register_aux(aux))
+        self.aux = aux
+        return aux
+
+    async def alloc_slot(self) -> Slot:
+        grant: SlotGrant = await self._call(self._alloc())
+        return Slot(grant.slot, grant.generation)
+
+    async def free_slot(self, slot: Slot) -> None:
+        await self._call(self._free(slot))
+
+    async def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
+        await self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))
+
+    async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None) -> None:
+        await self._call(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version))
+
+    async def poll(self, room: int) -> RoomStatus:
+        known = self._status.get(room)
+        if known is not None and settled(known):
+            return known
+        return await self._call(self._poll(room))
+
+    async def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Until the room succeeded, or failed and is fenced."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(room, []).append(fut)
+        try:
+            status = await self.poll(room)  # it may have settled before we started waiting
+            if settled(status):
+                return status
+            return await asyncio.wait_for(fut, self.timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            raise errors.Timeout(f"room {room} did not settle in time", room=room) from None
+        finally:
+            waiters = self._waiters.get(room)
+            if waiters and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[room]
+
+    async def abort(self, room: int, reason: str = "aborted by engine") -> None:
+        await self._call(self._abort(room, reason))
+
+    async def release(self, room: int) -> None:
+        await self._call(self._release(room))
+        self._status.pop(room, None)

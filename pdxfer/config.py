@@ -1,0 +1,116 @@
+"""One frozen daemon configuration, read once at start-up.
+
+Precedence, lowest first: the defaults below, a TOML file (``--config`` or
+``PDXFER_CONFIG``), ``PDXFER_<FIELD>`` environment variables, command-line flags.
+Each field's description is its ``--help`` text, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import Annotated, Any, Literal, Mapping
+
+import msgspec
+
+from .protocol import Role
+
+ENV_PREFIX = "PDXFER_"
+
+Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
+AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
+
+
+def _doc(text: str, **limits: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **limits)
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    role: Annotated[Role, _doc("which side this daemon serves: prefill (writes KV) or decode (receives it)")]
+    name: Annotated[str, _doc("instance name, used in socket paths and logs; default: the role")] = ""
+    runtime_dir: Annotated[
+        str, _doc("directory for the engine socket (created owner-only); default: $XDG_RUNTIME_DIR/pdxfer or /tmp/pdxfer-UID")
+    ] = ""
+    engine_endpoint: Annotated[
+        str, _doc("ZMQ endpoint engines connect to; default: ipc://RUNTIME_DIR/NAME.engine.sock (tcp:// allowed)")
+    ] = ""
+    host: Annotated[str, _doc("address this daemon binds and advertises to peers and the transfer engine")] = "127.0.0.1"
+    bootstrap_port: Annotated[
+        int, _doc("prefill: TCP port of the bootstrap endpoint decode daemons connect to (0: any free port)", ge=0, le=65535)
+    ] = 8998
+    protocol: Annotated[Protocol, _doc("transfer engine protocol; the pool's memory must suit it")] = "tcp"
+    rdma_devices: Annotated[str, _doc("rdma: comma-separated device filter passed to the transfer engine (empty: all)")] = ""
+    device: Annotated[
+        str, _doc("accelerator bound before the transport starts: cpu, cuda:N or npu:N", pattern=r"^(cpu|cuda:\d+|npu:\d+)$")
+    ] = "cpu"
+    aux_path: Annotated[
+        AuxPathChoice,
+        _doc("how aux records travel: tcp (bootstrap channel), transfer_engine, or auto (by protocol: transfer engine for rdma/ascend/hixl, else tcp)"),
+    ] = "auto"
+    max_rooms: Annotated[int, _doc("rooms held at once, finished-but-unreleased included; more are refused as busy", ge=1)] = 4096
+    peer_window: Annotated[
+        int, _doc("transfer-engine writes in flight per peer; kept well under the engine's per-peer queue (1024 for tcp)", ge=1, le=65535)
+    ] = 512
+    max_message_bytes: Annotated[int, _doc("largest engine or peer message accepted, in bytes", ge=4096)] = 64 * 1024 * 1024
+    engine_queue: Annotated[int, _doc("messages queued per socket before senders block or are refused (ZMQ high-water mark)", ge=1)] = 4096
+    bootstrap_timeout: Annotated[float, _doc("seconds a room may stay Bootstrapping", gt=0)] = 30.0
+    waiting_timeout: Annotated[float, _doc("seconds a room may stay WaitingForInput", gt=0)] = 120.0
+    transfer_timeout: Annotated[float, _doc("seconds a room may stay Transferring", gt=0)] = 30.0
+    fence_timeout: Annotated[float, _doc("seconds a failed room's slot stays quarantined when its writer never confirms", gt=0)] = 10.0
+    retention: Annotated[float, _doc("seconds a finished room the engine never released is kept", gt=0)] = 300.0
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
+    log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
+
+    @property
+    def instance(self) -> str:
+        return self.name or self.role.value
+
+    @property
+    def socket_dir(self) -> str:
+        return self.runtime_dir or default_runtime_dir()
+
+    @property
+    def engine_address(self) -> str:
+        return self.engine_endpoint or f"ipc://{self.socket_dir}/{self.instance}.engine.sock"
+
+
+def default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(base, "pdxfer") if base else f"/tmp/pdxfer-{os.getuid()}"
+
+
+def fields() -> list[tuple[str, Any, str]]:
+    """(name, default or msgspec.NODEFAULT, description) for every option."""
+    out = []
+    for f in msgspec.inspect.type_info(Config).fields:
+        meta = f.type if isinstance(f.type, msgspec.inspect.Metadata) else None
+        desc = (meta.extra_json_schema or {}).get("description", "") if meta else ""
+        out.append((f.name, f.default, desc))
+    return out
+
+
+def load(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: str | None = None,
+) -> Config:
+    """Build the config from a TOML file, the environment and flags (None values in
+    ``flags`` mean 'not given')."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        with open(path, "rb") as fh:
+            values.update(tomllib.load(fh))
+    names = {name for name, _, _ in fields()}
+    for name in names:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw
+    for name, value in (flags or {}).items():
+        if value is not None and name in names:
+            values[name] = value
+    try:
+        return msgspec.convert(values, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid configuration: {exc}") from None

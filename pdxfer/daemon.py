@@ -1,0 +1,232 @@
+"""The daemon: wires a role's service to its sockets, the transfer pump and the
+transport, and owns the lifecycle (start, serve, stop).
+
+Start-up follows paths.startup_steps: bind the device, initialise the transport,
+open the bootstrap endpoint, and open the engine endpoint last. Every background
+task is supervised: an exception is logged, counted, and the task restarted (H1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from typing import Awaitable, Callable
+
+import zmq.asyncio
+
+from . import memory, paths
+from .config import Config
+from .decode import DecodeService
+from .prefill import PrefillService
+from .protocol import Codec, Message, Role
+from .pump import TransferPump
+from .transport import Transport
+from .wire import Dealer, Router
+
+log = logging.getLogger("pdxfer.daemon")
+
+TICK_SECONDS = 0.05
+
+
+class Daemon:
+    def __init__(self, config: Config, transport: Transport | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.codec = Codec()
+        self.service: PrefillService | DecodeService | None = None
+        self.pump: TransferPump | None = None
+        self.engine_endpoint = ""
+        self.bootstrap_address = ""
+        self.session = ""
+        self.task_failures = 0
+        self._ctx: zmq.asyncio.Context | None = None
+        self._engine: Router | None = None
+        self._bootstrap: Router | None = None
+        self._links: dict[str, tuple[Dealer, asyncio.Task]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
+
+    # --- lifecycle
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        self._ctx = zmq.asyncio.Context()
+        for step in paths.startup_steps(cfg.device):
+            if step == "bind_device":
+                memory.bind_device(cfg.device)
+            elif step == "init_transport":
+                if self.transport is None:
+                    from .transport.mooncake import MooncakeTransport
+
+                    self.transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices)
+                self.session = await loop.run_in_executor(None, self.transport.start)
+            elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
+                self._bootstrap = Router(self._ctx, f"tcp://{cfg.host}:{cfg.bootstrap_port}", cfg.max_message_bytes, cfg.engine_queue)
+                bound = self._bootstrap.start()
+                self.bootstrap_address = bound[len("tcp://") :]
+            elif step == "open_engine_endpoint":
+                self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
+                self.engine_endpoint = self._engine.start()
+        self.pump = TransferPump(self.transport, cfg.peer_window, loop)
+        self.pump.start()
+        self.service = self._make_service()
+        self._spawn("engine", self._engine_loop)
+        if self._bootstrap is not None:
+            self._spawn("bootstrap", self._bootstrap_loop)
+        self._spawn("ticker", self._ticker)
+        log.info(
+            "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
+            cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
+        )
+
+    def _make_service(self):
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+
+        async def register_memory(address: int, length: int) -> None:
+            await loop.run_in_executor(None, self.transport.register, address, length)
+
+        if cfg.role is Role.PREFILL:
+            service = PrefillService(cfg, self.incarnation, register_memory)
+            service.send_peer = self._send_bootstrap
+        else:
+            service = DecodeService(cfg, self.incarnation, register_memory)
+            service.open_link = self._open_link
+            service.close_link = self._close_link
+            service.send_link = self._send_link
+        service.session = self.session
+        service.bootstrap_address = self.bootstrap_address
+        service.send_engine = self._send_engine
+        service.pump = self.pump
+        return service
+
+    def ready_line(self) -> str:
+        return json.dumps(
+            {
+                "event": "ready",
+                "role": self.config.role.value,
+                "name": self.config.instance,
+                "engine": self.engine_endpoint,
+                "bootstrap": self.bootstrap_address,
+                "session": self.session,
+                "incarnation": self.incarnation,
+                "pid": os.getpid(),
+            }
+        )
+
+    async def run(self) -> None:
+        """Start, print the ready line, serve until SIGTERM/SIGINT, then stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            await self.start()
+            sys.stdout.write(self.ready_line() + "\n")
+            sys.stdout.flush()
+            await self._stopping.wait()
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for _, task in self._links.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks, *(t for _, t in self._links.values()), return_exceptions=True)
+        self._tasks.clear()
+        if self.pump is not None:
+            self.pump.stop()
+        for sock in (self._engine, self._bootstrap, *(d for d, _ in self._links.values())):
+            if sock is not None:
+                sock.close()
+        self._links.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self.transport is not None:
+            self.transport.close()
+        if self.service is not None:
+            for pool in (self.service.kv, self.service.aux):
+                if pool is not None:
+                    pool.memory.close()
+        log.info("pdxfer %s daemon %s stopped", self.config.role.value, self.config.instance)
+
+    # --- supervised tasks
+
+    def _spawn(self, name: str, body: Callable[[], Awaitable[None]]) -> asyncio.Task:
+        task = asyncio.create_task(self._supervise(name, body), name=f"pdxfer-{name}")
+        self._tasks.append(task)
+        return task
+
+    async def _supervise(self, name: str, body: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await body()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.task_failures += 1
+                self.service.failures[f"task:{name}"] += 1
+                log.exception("background task %s failed; restarting it", name)
+                await asyncio.sleep(0.1)
+
+    async def _engine_loop(self) -> None:
+        engine, service = self._engine, self.service
+        while True:
+            identity, frames = await engine.recv()
+            reply = await service.on_engine(identity, frames[-1] if frames else b"")
+            engine.send(identity, self.codec.encode(reply))
+
+    async def _bootstrap_loop(self) -> None:
+        bootstrap, service = self._bootstrap, self.service
+        while True:
+            identity, frames = await bootstrap.recv()
+            service.on_peer(identity, frames[-1] if frames else b"")
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            self.service.tick()
+
+    # --- sending, injected into the services
+
+    def _send_engine(self, identity: bytes, message: Message) -> None:
+        self._engine.send(identity, self.codec.encode(message))
+
+    def _send_bootstrap(self, identity: bytes, message: Message) -> None:
+        self._bootstrap.send(identity, self.codec.encode(message))
+
+    def _open_link(self, endpoint: str) -> None:
+        cfg = self.config
+        dealer = Dealer(self._ctx, endpoint, self.incarnation.encode(), cfg.max_message_bytes, cfg.engine_queue)
+        dealer.start()
+        task = asyncio.create_task(self._link_loop(endpoint, dealer), name=f"pdxfer-link-{endpoint}")
+        self._links[endpoint] = (dealer, task)
+
+    async def _link_loop(self, endpoint: str, dealer: Dealer) -> None:
+        while dealer.sock is not None:  # closed by _close_link, maybe from inside on_link
+            frames = await dealer.recv()
+            self.service.on_link(endpoint, frames[-1] if frames else b"")
+
+    def _close_link(self, endpoint: str) -> None:
+        entry = self._links.pop(endpoint, None)
+        if entry is not None:
+            dealer, task = entry
+            task.cancel()
+            dealer.close()
+
+    def _send_link(self, endpoint: str, message: Message) -> None:
+        entry = self._links.get(endpoint)
+        if entry is not None:
+            entry[0].send(self.codec.encode(message))

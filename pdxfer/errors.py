@@ -1,0 +1,121 @@
+"""Typed errors. Each carries a protocol error code, the side at fault, and the room
+it concerns when there is one, so a reply or a log line can say who broke what."""
+
+from __future__ import annotations
+
+import enum
+
+from .protocol import ErrorCode
+
+
+class Side(str, enum.Enum):
+    ENGINE = "engine"  # our engine sent something we cannot accept
+    PEER = "peer"  # the remote daemon did
+    LOCAL = "local"  # this daemon or its transport failed
+
+
+class PdxferError(Exception):
+    code: ErrorCode = ErrorCode.INTERNAL
+    side: Side = Side.LOCAL
+
+    def __init__(self, message: str, *, room: int = 0, side: Side | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.room = room
+        if side is not None:
+            self.side = side
+
+    def __str__(self) -> str:
+        prefix = f"room {self.room}: " if self.room else ""
+        return f"{prefix}{self.message}"
+
+
+class BadMessage(PdxferError):
+    code = ErrorCode.BAD_MESSAGE
+    side = Side.ENGINE
+
+
+class VersionMismatch(PdxferError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class CompatMismatch(PdxferError):
+    code = ErrorCode.COMPAT_MISMATCH
+    side = Side.PEER
+
+
+class NotRegistered(PdxferError):
+    code = ErrorCode.NOT_REGISTERED
+    side = Side.ENGINE
+
+
+class UnknownRoom(PdxferError):
+    code = ErrorCode.UNKNOWN_ROOM
+    side = Side.ENGINE
+
+
+class DuplicateRoom(PdxferError):
+    code = ErrorCode.DUPLICATE_ROOM
+    side = Side.ENGINE
+
+
+class PageOutOfRange(PdxferError):
+    code = ErrorCode.PAGE_OUT_OF_RANGE
+    side = Side.ENGINE
+
+
+class StaleMemoryVersion(PdxferError):
+    code = ErrorCode.STALE_MEMORY_VERSION
+    side = Side.ENGINE
+
+
+class InsufficientCapacity(PdxferError):
+    code = ErrorCode.INSUFFICIENT_CAPACITY
+    side = Side.ENGINE
+
+
+class StaleSlot(PdxferError):
+    code = ErrorCode.STALE_SLOT
+    side = Side.ENGINE
+
+
+class AuxStampMismatch(PdxferError):
+    code = ErrorCode.AUX_STAMP_MISMATCH
+    side = Side.PEER
+
+
+class TransferFailed(PdxferError):
+    code = ErrorCode.TRANSFER_FAILED
+
+
+class Timeout(PdxferError):
+    code = ErrorCode.TIMEOUT
+
+
+class Aborted(PdxferError):
+    code = ErrorCode.ABORTED
+
+
+class PeerUnreachable(PdxferError):
+    code = ErrorCode.PEER_UNREACHABLE
+    side = Side.PEER
+
+
+class Unsupported(PdxferError):
+    code = ErrorCode.UNSUPPORTED
+
+
+class Busy(PdxferError):
+    """Out of rooms, slots or queue space: retry after ``retry_after_ms``."""
+
+    code = ErrorCode.BUSY
+
+    def __init__(self, message: str, *, retry_after_ms: int = 50, room: int = 0) -> None:
+        super().__init__(message, room=room)
+        self.retry_after_ms = retry_after_ms
+
+
+class IllegalTransition(PdxferError):
+    """A bug in pdxfer: the room state machine was asked for a move it forbids."""
+
+    code = ErrorCode.INTERNAL

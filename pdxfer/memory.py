@@ -1,0 +1,153 @@
+"""Engine memory the daemon maps: CPU pools in POSIX shared memory (real here), GPU
+pools by CUDA IPC handle and NPU pools by Ascend IPC key (written against the vendor
+runtimes, loaded only when such a pool is registered).
+
+Shared memory is opened through /dev/shm directly rather than
+multiprocessing.shared_memory, whose resource tracker would unlink an engine's pool
+when the daemon that merely mapped it exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+from .errors import BadMessage, Unsupported
+from .paths import device_kind
+from .protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemory:
+    """A shared-memory object mapped read-write into this process."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._mmap = mapping
+        self.array = np.frombuffer(mapping, dtype=np.uint8)
+        self.address = int(self.array.ctypes.data)
+
+    @classmethod
+    def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=True)
+
+    @classmethod
+    def open(cls, name: str, size: int) -> "SharedMemory":
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise BadMessage(f"shared memory {name!r} does not exist under {SHM_DIR}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise BadMessage(f"shared memory {name!r} has {actual} bytes, but {size} were declared")
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=False)
+
+    @property
+    def handle(self) -> ShmHandle:
+        return ShmHandle(name=self.name, size=self.size)
+
+    def close(self) -> None:
+        if self._mmap.closed:
+            return
+        self.array = None  # drop our export so the mapping can close
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes when it does
+        if self.owner:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+
+def _load(library: str, hint: str) -> ctypes.CDLL:
+    path = ctypes.util.find_library(library)
+    if path is None:
+        raise Unsupported(f"lib{library} is not on this host: {hint}")
+    return ctypes.CDLL(path)
+
+
+class CudaIpcMemory:
+    """A GPU pool opened with cudaIpcOpenMemHandle."""
+
+    class _Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    def __init__(self, handle: CudaIpcHandle) -> None:
+        self._cudart = _load("cudart", "GPU pools need the CUDA runtime and a visible GPU")
+        raw = self._Handle()
+        ctypes.memmove(ctypes.byref(raw), handle.handle, min(len(handle.handle), 64))
+        pointer = ctypes.c_void_p()
+        rc = self._cudart.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(1))
+        if rc != 0:
+            raise Unsupported(f"cudaIpcOpenMemHandle failed with CUDA error {rc} on device {handle.device}")
+        self.address = int(pointer.value)
+        self.size = handle.size
+
+    def close(self) -> None:
+        self._cudart.cudaIpcCloseMemHandle(ctypes.c_void_p(self.address))
+
+
+class NpuIpcMemory:
+    """An NPU pool imported with aclrtIpcMemImportByKey."""
+
+    def __init__(self, handle: NpuIpcHandle) -> None:
+        self._acl = _load("ascendcl", "NPU pools need Ascend CANN and a visible NPU")
+        pointer = ctypes.c_void_p()
+        rc = self._acl.aclrtIpcMemImportByKey(ctypes.byref(pointer), ctypes.c_char_p(handle.handle), ctypes.c_uint64(0))
+        if rc != 0:
+            raise Unsupported(f"aclrtIpcMemImportByKey failed with ACL error {rc} on device {handle.device}")
+        self.address = int(pointer.value)
+        self.size = handle.size
+        self._key = handle.handle
+
+    def close(self) -> None:
+        self._acl.aclrtIpcMemClose(ctypes.c_char_p(self._key))
+
+
+def open_handle(handle: MemoryHandle):
+    if isinstance(handle, ShmHandle):
+        return SharedMemory.open(handle.name, handle.size)
+    if isinstance(handle, CudaIpcHandle):
+        return CudaIpcMemory(handle)
+    return NpuIpcMemory(handle)
+
+
+def bind_device(device: str) -> None:
+    """D1: make ``device`` current in this process before any transport starts.
+    Uses the vendor runtime directly, so the daemon never needs torch."""
+    kind = device_kind(device)
+    if kind == "cpu":
+        return
+    index = int(device.split(":", 1)[1])
+    if kind == "cuda":
+        cudart = _load("cudart", f"--device {device} needs the CUDA runtime and a visible GPU")
+        rc = cudart.cudaSetDevice(ctypes.c_int(index))
+        if rc != 0:
+            raise Unsupported(f"cudaSetDevice({index}) failed with CUDA error {rc}: is GPU {index} visible?")
+        return
+    acl = _load("ascendcl", f"--device {device} needs Ascend CANN (libascendcl) and a visible NPU")
+    rc = acl.aclrtSetDevice(ctypes.c_int32(index))
+    if rc != 0:
+        raise Unsupported(f"aclrtSetDevice({index}) failed with ACL error {rc}: is NPU {index} visible?")

@@ -1,0 +1,72 @@
+"""Which path the bytes take, decided without touching hardware: the transfer-engine
+protocol name, which pool kinds suit it, how aux travels (A2), and the order of
+start-up steps (D1). The daemon asks these functions; tests check them directly,
+since the GPU, NVLink and Ascend paths cannot run on a CPU-only host.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .errors import Unsupported
+
+# pdxfer's protocol names -> the transfer engine's. HIXL is Ascend's direct
+# transport; the engine exposes it under its Ascend protocol.
+ENGINE_PROTOCOL = {
+    "tcp": "tcp",
+    "rdma": "rdma",
+    "nvlink": "nvlink",
+    "intranode_nvlink": "nvlink_intra",
+    "ascend": "ascend",
+    "hixl": "ascend",
+}
+
+# Which memory each protocol can move.
+POOL_KINDS = {
+    "tcp": ("shm", "cuda_ipc"),
+    "rdma": ("shm", "cuda_ipc"),
+    "nvlink": ("cuda_ipc",),
+    "intranode_nvlink": ("cuda_ipc",),
+    "ascend": ("npu_ipc",),
+    "hixl": ("npu_ipc",),
+}
+
+# The device a pool kind needs bound in the daemon.
+POOL_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "npu_ipc": "npu"}
+
+
+class AuxPath(str, enum.Enum):
+    TCP = "tcp"  # aux bytes ride the bootstrap channel
+    TRANSFER_ENGINE = "transfer_engine"  # aux bytes are written like KV, then the stamp is verified
+
+
+def choose_aux_path(protocol: str, choice: str) -> AuxPath:
+    """A2: explicit choice wins; otherwise TCP for tcp and both NVLink flavours (whose
+    asynchronous completion does not prove the bytes are visible), the transfer
+    engine for RDMA and Ascend."""
+    if choice != "auto":
+        return AuxPath(choice)
+    if protocol in ("rdma", "ascend", "hixl"):
+        return AuxPath.TRANSFER_ENGINE
+    return AuxPath.TCP
+
+
+def device_kind(device: str) -> str:
+    return device.split(":", 1)[0]
+
+
+def check_pool(protocol: str, device: str, pool_kind: str) -> None:
+    """Refuse a pool this daemon cannot move, saying what would be needed."""
+    if pool_kind not in POOL_KINDS[protocol]:
+        suits = ", ".join(POOL_KINDS[protocol])
+        raise Unsupported(f"protocol {protocol} cannot move {pool_kind} pools (it moves: {suits})")
+    need = POOL_DEVICE[pool_kind]
+    if need != "cpu" and device_kind(device) != need:
+        raise Unsupported(f"{pool_kind} pools need the daemon started with --device {need}:N (it has {device})")
+
+
+def startup_steps(device: str) -> list[str]:
+    """D1: the device context is bound before any transport is initialised; the
+    engine endpoint opens last, so no engine can register before the transport exists."""
+    steps = [] if device_kind(device) == "cpu" else ["bind_device"]
+    return steps + ["init_transport", "open_bootstrap", "open_engine_endpoint"]

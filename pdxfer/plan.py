@@ -1,0 +1,183 @@
+"""Transfer arithmetic: layouts, bounds, versions, capacity, and page indices ->
+coalesced (src, dst, len) blocks. Pure functions over numpy arrays; no per-page
+Python loops, so a million pages plan in milliseconds.
+
+A pool is one contiguous registration split into *regions*: the buffers of its
+layout, each an array of ``num_pages`` pages of ``page_bytes``. A run of pages that
+is contiguous on both sides becomes one block per region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InsufficientCapacity, PageOutOfRange, StaleMemoryVersion
+from .protocol import PROTOCOL_VERSION, Compat, KVLayout, Layout
+
+PAGE_DTYPE = np.dtype("<i4")
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int  # bytes from the start of the pool
+    page_bytes: int
+
+
+def layout_regions(layout: KVLayout) -> tuple[Region, ...]:
+    """The buffers of a pool, in the order blocks are planned."""
+    n, per_layer = layout.num_pages, layout.page_size * layout.token_bytes
+    if layout.layout is Layout.MHA:  # K0 V0 K1 V1 ...
+        return tuple(Region(i * n * per_layer, per_layer) for i in range(2 * layout.num_layers))
+    if layout.layout is Layout.MLA:  # one latent buffer per layer
+        return tuple(Region(i * n * per_layer, per_layer) for i in range(layout.num_layers))
+    if layout.layout is Layout.PAGE_FIRST:  # [page][layer][K|V][token]
+        return (Region(0, 2 * layout.num_layers * per_layer),)
+    if layout.layout is Layout.PAGE_FIRST_KV:  # K: [page][layer][token], then V alike
+        page = layout.num_layers * per_layer
+        return (Region(0, page), Region(n * page, page))
+    raise ValueError(f"unknown layout {layout.layout!r}")
+
+
+def pool_bytes(layout: KVLayout) -> int:
+    regions = layout_regions(layout)
+    return len(regions) * layout.num_pages * regions[0].page_bytes
+
+
+def compat_of(layout: KVLayout, aux_slot_bytes: int) -> Compat:
+    return Compat(
+        version=PROTOCOL_VERSION,
+        layout=layout.layout,
+        page_size=layout.page_size,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        region_page_bytes=tuple(r.page_bytes for r in layout_regions(layout)),
+        aux_slot_bytes=aux_slot_bytes,
+    )
+
+
+def pages_from_bytes(raw: bytes) -> np.ndarray:
+    if len(raw) % PAGE_DTYPE.itemsize:
+        raise ValueError(f"page list of {len(raw)} bytes is not a whole number of int32 values")
+    return np.frombuffer(raw, dtype=PAGE_DTYPE)
+
+
+def pages_to_bytes(pages) -> bytes:
+    return np.ascontiguousarray(pages, dtype=PAGE_DTYPE).tobytes()
+
+
+def check_pages(pages: np.ndarray, num_pages: int, what: str, room: int = 0) -> None:
+    """C2: every index must name a page of the registered pool. Never clamps."""
+    if pages.size == 0:
+        raise PageOutOfRange(f"{what} page list is empty", room=room)
+    bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if bad.size:
+        at = int(bad[0])
+        raise PageOutOfRange(
+            f"{what} page index {int(pages[at])} at position {at} is out of range: "
+            f"the pool has pages 0..{num_pages - 1} ({bad.size} bad indices in all)",
+            room=room,
+        )
+
+
+def check_memory_version(used: int, current: int, what: str, room: int = 0) -> None:
+    """C3: an operation computed against an older registration must not run."""
+    if used != current:
+        raise StaleMemoryVersion(
+            f"{what} page indices were computed against memory version {used}, "
+            f"but the registered version is {current}",
+            room=room,
+        )
+
+
+def pages_for_tokens(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def check_source(num_tokens: int, src_pages: int, page_size: int, room: int = 0) -> None:
+    """The prefill's pages must hold exactly its tokens."""
+    need = pages_for_tokens(num_tokens, page_size)
+    if src_pages != need:
+        raise InsufficientCapacity(
+            f"{num_tokens} tokens need {need} pages of {page_size} tokens, but send() named {src_pages}",
+            room=room,
+        )
+
+
+def check_capacity(num_tokens: int, num_draft_tokens: int, dst_pages: int, page_size: int, room: int = 0) -> None:
+    """C1: the destination holds the prompt plus the speculative draft tokens."""
+    need_tokens = num_tokens + num_draft_tokens
+    have = dst_pages * page_size
+    if have < need_tokens:
+        raise InsufficientCapacity(
+            f"destination too small: {dst_pages} pages x {page_size} tokens = {have} tokens, "
+            f"but the room needs {num_tokens} prompt + {num_draft_tokens} draft = {need_tokens}",
+            room=room,
+        )
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Runs of pages contiguous on both sides: src_start[i].. and dst_start[i].. for length[i] pages."""
+
+    src_start: np.ndarray
+    dst_start: np.ndarray
+    length: np.ndarray
+
+
+def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> Runs:
+    if src_pages.shape != dst_pages.shape:
+        raise ValueError(f"{src_pages.size} source pages but {dst_pages.size} destination pages")
+    src = src_pages.astype(np.int64, copy=False)
+    dst = dst_pages.astype(np.int64, copy=False)
+    if src.size == 0:
+        empty = np.zeros(0, np.int64)
+        return Runs(empty, empty, empty)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return Runs(src[starts], dst[starts], ends - starts)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Byte ranges to write: src[i] -> dst[i], length[i] bytes (uint64 arrays)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.src.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+def plan_blocks(
+    regions: Sequence[Region],
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+) -> Blocks:
+    """Blocks that copy src_pages[i] to dst_pages[i] in every region.
+
+    ``src_bases``/``dst_bases`` are the addresses of each region on either side;
+    only the first ``len(src_pages)`` destination pages are written."""
+    runs = coalesce(src_pages, dst_pages[: src_pages.size])
+    page_bytes = np.array([r.page_bytes for r in regions], dtype=np.uint64)[:, None]
+    src_base = np.asarray(src_bases, dtype=np.uint64)[:, None]
+    dst_base = np.asarray(dst_bases, dtype=np.uint64)[:, None]
+    return Blocks(
+        src=(src_base + runs.src_start.astype(np.uint64) * page_bytes).ravel(),
+        dst=(dst_base + runs.dst_start.astype(np.uint64) * page_bytes).ravel(),
+        length=np.broadcast_to(runs.length.astype(np.uint64) * page_bytes, (len(regions), runs.length.size)).ravel(),
+    )
+
+
+def region_bases(base: int, regions: Sequence[Region]) -> tuple[int, ...]:
+    return tuple(base + r.offset for r in regions)

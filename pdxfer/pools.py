@@ -1,0 +1,80 @@
+"""What the local engine registered: its KV pool and its aux buffer, mapped into the
+daemon, with the layout arithmetic and slot allocator that go with them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases
+from .protocol import Compat, KVLayout
+from .slots import SlotAllocator
+from .stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
+
+
+@dataclass(eq=False)
+class KVPool:
+    memory: object  # memory.SharedMemory / CudaIpcMemory / NpuIpcMemory
+    layout: KVLayout
+    version: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        self.regions: tuple[Region, ...] = layout_regions(self.layout)
+        self.bases = region_bases(self.memory.address, self.regions)
+
+    @property
+    def address(self) -> int:
+        return self.memory.address
+
+    @staticmethod
+    def required_bytes(layout: KVLayout) -> int:
+        return pool_bytes(layout)
+
+
+@dataclass(eq=False)
+class AuxBuffer:
+    """num_slots slots of slot_bytes: a stamp header, then the payload."""
+
+    memory: object  # memory.SharedMemory: aux always lives in host memory
+    num_slots: int
+    slot_bytes: int
+
+    def __post_init__(self) -> None:
+        self.slots = SlotAllocator(self.num_slots)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.slot_bytes - HEADER_BYTES
+
+    def slot_address(self, index: int) -> int:
+        return self.memory.address + index * self.slot_bytes
+
+    def _at(self, index: int) -> int:
+        return index * self.slot_bytes
+
+    def payload(self, index: int, length: int) -> bytes:
+        start = self._at(index) + HEADER_BYTES
+        return self.memory.array[start : start + length].tobytes()
+
+    def header(self, index: int) -> Stamp | None:
+        start = self._at(index)
+        return unpack_header(self.memory.array[start : start + HEADER_BYTES])
+
+    def write_header(self, index: int, stamp: Stamp) -> None:
+        start = self._at(index)
+        self.memory.array[start : start + HEADER_BYTES] = np.frombuffer(pack_header(stamp), np.uint8)
+
+    def write(self, index: int, stamp: Stamp, payload: bytes) -> None:
+        self.write_header(index, stamp)
+        start = self._at(index) + HEADER_BYTES
+        self.memory.array[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
+
+    def clear_header(self, index: int) -> None:
+        start = self._at(index)
+        self.memory.array[start : start + HEADER_BYTES] = 0
+
+
+def compat(kv: KVPool, aux: AuxBuffer) -> Compat:
+    return compat_of(kv.layout, aux.slot_bytes)

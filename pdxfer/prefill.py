@@ -1,0 +1,347 @@
+"""The prefill role: meet decode daemons' room requests with the engine's send(),
+write the KV, then the aux record, and finish when the decode side verified it.
+
+Per room: the engine's Send and the decode daemon's RoomRequest arrive in either
+order; when both are in, every check that needs both halves runs (capacity C1,
+destination bounds C2, destination memory version C3) before a single byte moves.
+The aux record goes only after every KV block completed (A3), and the room succeeds
+only when the decode daemon acknowledged its stamp (A1).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from . import errors, paths
+from .errors import PdxferError
+from .plan import (
+    Blocks,
+    check_capacity,
+    check_memory_version,
+    check_pages,
+    check_source,
+    pages_from_bytes,
+    plan_blocks,
+)
+from .protocol import (
+    PROTOCOL_VERSION,
+    AuxRecord,
+    ErrorCode,
+    Message,
+    Ok,
+    PeerError,
+    PeerHello,
+    PeerRefused,
+    PeerWelcome,
+    Role,
+    RoomAccepted,
+    RoomAck,
+    RoomFailed,
+    RoomRequest,
+    Send,
+    TransferStarted,
+    compat_diff,
+    compat_hash,
+)
+from .pools import compat
+from .pump import Job
+from .rooms import Event, Room
+from .service import RoomService
+from .stamp import HEADER_BYTES, stamp_for
+
+log = logging.getLogger("pdxfer.prefill")
+
+
+@dataclass(eq=False)
+class DecodePeer:
+    """A decode daemon that said hello on the bootstrap channel."""
+
+    identity: bytes
+    hello: PeerHello
+    rooms: set[int] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        return self.hello.session
+
+
+@dataclass(eq=False)
+class PrefillWork:
+    engine: bytes = b""
+    src_pages: np.ndarray | None = None
+    num_tokens: int = 0
+    aux_bytes: int = 0
+    memory_version: int = 0
+    peer: bytes = b""  # identity of the decode daemon, once its request arrived
+    request: RoomRequest | None = None
+    dst_pages: np.ndarray | None = None
+    job: Job | None = None
+
+
+class PrefillService(RoomService):
+    role = Role.PREFILL
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.peers: dict[bytes, DecodePeer] = {}
+        self.work: dict[int, PrefillWork] = {}
+        self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
+        self.send_peer = lambda identity, message: None
+        # Peer messages that arrived before the engine registered, replayed after.
+        self._early: collections.deque[tuple[bytes, bytes]] = collections.deque()
+
+    # --- engine side
+
+    def on_send(self, identity: bytes, msg: Send) -> Message:
+        kv, aux = self._kv(), self._aux()
+        try:
+            src = pages_from_bytes(msg.pages)
+        except ValueError as exc:
+            raise errors.BadMessage(str(exc), room=msg.room) from None
+        check_pages(src, kv.layout.num_pages, "source", msg.room)
+        self.check_local_version(msg.memory_version, msg.room)
+        check_source(msg.num_tokens, src.size, kv.layout.page_size, msg.room)
+        if msg.aux_bytes > aux.payload_bytes:
+            raise errors.InsufficientCapacity(f"aux record of {msg.aux_bytes} bytes exceeds the slot payload of {aux.payload_bytes}", room=msg.room)
+        room = self.rooms.find(msg.room)
+        if room is not None and (room.finished or room.has_input):
+            raise errors.DuplicateRoom(f"send() for room {msg.room} was already made", room=msg.room)
+        created = room is None
+        if created:
+            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            self.work[room.id] = PrefillWork()
+        try:
+            self.bind_slot(room, msg.slot, msg.generation)
+        except PdxferError:
+            if created:
+                self.rooms.remove(room.id)
+                self.work.pop(room.id, None)
+            raise
+        w = self.work[room.id]
+        w.engine, w.src_pages, w.num_tokens = identity, src.copy(), msg.num_tokens
+        w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
+        self.rooms.apply(room, Event.INPUT_READY, self.clock())
+        if room.state.value == "transferring":
+            self.send_peer(w.peer, TransferStarted(room=room.id))
+            self._start(room, w)
+        return Ok(req=msg.req)
+
+    # --- bootstrap channel
+
+    def on_peer(self, identity: bytes, raw: bytes) -> None:
+        if self.kv is None or self.aux is None:
+            self._hold(identity, raw)
+            return
+        try:
+            msg = self.codec.peer_messages.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
+            return
+        try:
+            if isinstance(msg, PeerHello):
+                self._hello(identity, msg)
+                return
+            peer = self.peers.get(identity)
+            if peer is None:
+                raise errors.BadMessage("say peer_hello first", side=errors.Side.PEER)
+            if isinstance(msg, RoomRequest):
+                self._request(peer, msg)
+            elif isinstance(msg, RoomAck):
+                self._ack(peer, msg)
+            elif isinstance(msg, RoomFailed):
+                self._peer_failed(peer, msg)
+            else:
+                raise errors.BadMessage(f"a prefill daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
+        except PdxferError as exc:
+            self.send_peer(identity, PeerError(code=exc.code, message=str(exc), room=exc.room))
+        except Exception as exc:  # H1
+            self.failures["internal"] += 1
+            log.exception("internal error handling %s from peer", type(msg).__name__)
+            self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
+
+    def _hold(self, identity: bytes, raw: bytes) -> None:
+        """Keep what decode daemons send before our engine registered (bounded by
+        max_rooms); their rooms' bootstrap timeout covers an engine that never does."""
+        if len(self._early) >= self.config.max_rooms:
+            self.send_peer(identity, PeerError(code=ErrorCode.BUSY, message="the prefill engine has not registered yet and the early-message queue is full"))
+            return
+        self._early.append((identity, raw))
+
+    def on_kv_registered(self) -> None:
+        if self.kv is not None and self.aux is not None:
+            while self._early:
+                self.on_peer(*self._early.popleft())
+
+    def _hello(self, identity: bytes, hello: PeerHello) -> None:
+        if hello.version != PROTOCOL_VERSION:
+            self.send_peer(identity, PeerRefused(code=ErrorCode.VERSION_MISMATCH, reason=f"peer speaks protocol {hello.version}, this prefill daemon speaks {PROTOCOL_VERSION}"))
+            return
+        ours = compat(self.kv, self.aux)
+        if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
+            diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"
+            self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=f"incompatible KV layout: {diff}"))
+            log.warning("refused decode daemon %s: incompatible KV layout: %s", hello.session, diff)
+            return
+        peer = self.peers.get(identity)
+        if peer is None:
+            self.peers[identity] = peer = DecodePeer(identity, hello)
+            log.info("decode daemon %s (incarnation %s) connected", hello.session, hello.incarnation)
+        else:
+            old, peer.hello = peer.hello, hello
+            if hello.memory_version != old.memory_version:
+                self._peer_relocated(peer, old.memory_version)
+        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=self.session))
+
+    def _peer_relocated(self, peer: DecodePeer, old_version: int) -> None:
+        """C3: rooms whose blocks were planned against the old destination fail."""
+        for room_id in list(peer.rooms):
+            room, w = self.rooms.find(room_id), self.work.get(room_id)
+            if room is not None and w is not None and not room.finished and w.request.memory_version != peer.hello.memory_version:
+                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"the decode engine re-registered its KV pool (memory version {old_version} -> {peer.hello.memory_version})")
+
+    def _request(self, peer: DecodePeer, msg: RoomRequest) -> None:
+        room = self.rooms.find(msg.room)
+        if room is not None and room.finished and not self.work[room.id].peer:
+            # Failed before the decode side showed up: tell it, with nothing in flight.
+            self.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
+            return
+        if room is not None and (room.finished or self.work[room.id].peer):
+            raise errors.DuplicateRoom(f"room {msg.room} was already requested", room=msg.room, side=errors.Side.PEER)
+        try:
+            dst = pages_from_bytes(msg.pages)
+        except ValueError as exc:
+            raise errors.BadMessage(str(exc), room=msg.room, side=errors.Side.PEER) from None
+        if room is None:
+            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            self.work[room.id] = PrefillWork()
+        w = self.work[room.id]
+        w.peer, w.request, w.dst_pages = peer.identity, msg, dst.copy()
+        room.peer = peer.label
+        peer.rooms.add(room.id)
+        self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
+        self.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=room.has_input))
+        if room.state.value == "transferring":
+            self._start(room, w)
+
+    def _start(self, room: Room, w: PrefillWork) -> None:
+        """Both halves are in: check everything, plan, and hand the blocks to the pump."""
+        kv, aux = self._kv(), self._aux()
+        peer = self.peers.get(w.peer)
+        req = w.request
+        try:
+            if peer is None:
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room.id)
+            dst_hello = peer.hello
+            check_memory_version(req.memory_version, dst_hello.memory_version, "destination", room.id)
+            check_pages(w.dst_pages, dst_hello.num_pages, "destination", room.id)
+            check_capacity(w.num_tokens, req.num_draft_tokens, w.dst_pages.size, kv.layout.page_size, room.id)
+            if req.slot >= dst_hello.aux_slots:
+                raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{dst_hello.aux_slots - 1}", room=room.id)
+            blocks = plan_blocks(kv.regions, kv.bases, dst_hello.region_bases, w.src_pages, w.dst_pages)
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return
+        room.bytes_planned = blocks.nbytes + HEADER_BYTES + w.aux_bytes
+        w.job = Job(room.id, dst_hello.session, blocks, self._kv_written)
+        self.pump.submit(w.job)
+
+    def _kv_written(self, job: Job) -> None:
+        room, w = self.rooms.find(job.id), self.work.get(job.id)
+        if room is None or w is None or w.job is not job:
+            return
+        if room.finished:  # failed while its writes drained: now they have
+            self._settled(room, job)
+            return
+        room.bytes_moved += job.blocks.nbytes if job.ok else 0
+        if not job.ok:
+            self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
+            return
+        aux, peer, req = self._aux(), self.peers[w.peer], w.request
+        payload = aux.payload(room.slot, w.aux_bytes)
+        stamp = stamp_for(room.id, req.generation, payload)
+        if self.aux_path is paths.AuxPath.TCP:
+            w.job = None
+            self.send_peer(w.peer, AuxRecord(room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum, payload=payload))
+            return
+        aux.write_header(room.slot, stamp)
+        dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
+        blocks = Blocks(
+            np.array([aux.slot_address(room.slot)], np.uint64), np.array([dst], np.uint64), np.array([HEADER_BYTES + len(payload)], np.uint64)
+        )
+        w.job = Job(room.id, peer.hello.session, blocks, self._aux_written)
+        self.pump.submit(w.job)
+
+    def _aux_written(self, job: Job) -> None:
+        room, w = self.rooms.find(job.id), self.work.get(job.id)
+        if room is None or w is None or w.job is not job:
+            return
+        if room.finished:
+            self._settled(room, job)
+            return
+        if not job.ok:
+            self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
+            return
+        w.job = None
+        room.bytes_moved += job.blocks.nbytes
+        stamp = self._aux().header(room.slot)
+        req = w.request
+        self.send_peer(w.peer, AuxRecord(room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum, via_transfer_engine=True))
+
+    def _settled(self, room: Room, job: Job) -> None:
+        """A failed room's last writes drained: it is fenced, and the peer may reuse
+        the pages and slot it gave us."""
+        w = self.work[room.id]
+        w.job = None
+        if job.abandoned:
+            return  # writes may still land; the fence timeout decides
+        if w.peer:
+            self.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
+        self.fenced(room)
+
+    def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
+        room = self.rooms.get(msg.room)
+        if self.work[room.id].peer != peer.identity:
+            raise errors.BadMessage(f"room {room.id} belongs to another decode daemon", room=room.id, side=errors.Side.PEER)
+        if room.state.value != "transferring":
+            return  # failed meanwhile: the failure stands
+        self.succeed(room)
+
+    def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
+        room = self.rooms.find(msg.room)
+        if room is not None and not room.finished:
+            self.fail(room, msg.code, f"decode side: {msg.reason}")
+            return
+        w = self.work.get(msg.room)
+        if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
+            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
+
+    # --- hooks
+
+    def stop_writes(self, room: Room) -> bool:
+        w = self.work.get(room.id)
+        if w is None:
+            return True
+        in_flight = w.job is not None and not w.job.settled
+        if in_flight:
+            self.pump.cancel(w.job)
+        if w.peer:
+            self.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))
+        return not in_flight
+
+    def engine_of(self, room: Room) -> bytes:
+        w = self.work.get(room.id)
+        return w.engine if w else b""
+
+    def room_memory_version(self, room: Room) -> int:
+        w = self.work.get(room.id)
+        return w.memory_version if w and w.memory_version else self._kv().version
+
+    def forget(self, room: Room) -> None:
+        w = self.work.pop(room.id, None)
+        if w is not None and w.peer in self.peers:
+            self.peers[w.peer].rooms.discard(room.id)

@@ -1,0 +1,449 @@
+"""Every message pdxfer sends, as frozen msgspec structs in tagged unions.
+
+Two conversations use this module:
+
+* engine <-> daemon (the engine's ZMQ DEALER to the daemon's ROUTER), and
+* daemon <-> daemon (the bootstrap channel: a decode daemon's DEALER to a prefill
+  daemon's ROUTER).
+
+Every message is one MessagePack map whose ``kind`` field names its struct. Page
+index lists travel as ``bytes`` holding little-endian int32 values, so a request of
+a million pages is one memcpy, not a million msgpack integers. ``proto/`` holds the
+human-readable spec and the JSON Schema generated from these structs
+(``python -m pdxfer.protocol``); a test fails if they drift.
+
+Version history (bump PROTOCOL_VERSION on any incompatible change; new fields get
+defaults so older peers can still decode them):
+
+1: first version.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import sys
+from typing import Annotated, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
+RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1, description="request id; 0 on pushed events")]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+Address = Annotated[int, msgspec.Meta(ge=0, description="uint64 address")]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+# int32 little-endian page indices; 4 bytes each.
+PageBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024 * 1024)]
+AuxPayload = Annotated[bytes, msgspec.Meta(max_length=16 * 1024 * 1024)]
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Layout(str, enum.Enum):
+    """How a KV pool arranges its pages (see plan.layout_regions)."""
+
+    MHA = "mha"  # per layer, one K buffer and one V buffer
+    MLA = "mla"  # per layer, one latent buffer
+    PAGE_FIRST = "page_first"  # one buffer; a page holds every layer's K and V
+    PAGE_FIRST_KV = "page_first_kv"  # a K buffer and a V buffer; a page holds every layer
+
+
+class RoomState(str, enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RoomState.SUCCESS, RoomState.FAILED)
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_MESSAGE = "bad_message"
+    VERSION_MISMATCH = "version_mismatch"
+    COMPAT_MISMATCH = "compat_mismatch"
+    NOT_REGISTERED = "not_registered"
+    UNKNOWN_ROOM = "unknown_room"
+    DUPLICATE_ROOM = "duplicate_room"
+    PAGE_OUT_OF_RANGE = "page_out_of_range"
+    STALE_MEMORY_VERSION = "stale_memory_version"
+    INSUFFICIENT_CAPACITY = "insufficient_capacity"
+    STALE_SLOT = "stale_slot"
+    AUX_STAMP_MISMATCH = "aux_stamp_mismatch"
+    TRANSFER_FAILED = "transfer_failed"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+    PEER_UNREACHABLE = "peer_unreachable"
+    UNSUPPORTED = "unsupported"
+    BUSY = "busy"
+    INTERNAL = "internal"
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", omit_defaults=True):
+    """Base of every message; ``kind`` carries the tag."""
+
+
+# --- memory handles: what an engine hands its daemon so the daemon can map a buffer
+
+
+class ShmHandle(Message, tag="shm"):
+    """A POSIX shared-memory object under /dev/shm (CPU pools)."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]
+    size: Positive
+
+
+class CudaIpcHandle(Message, tag="cuda_ipc"):
+    """``cudaIpcGetMemHandle`` bytes of a GPU pool's base allocation."""
+
+    handle: Annotated[bytes, msgspec.Meta(max_length=128)]
+    size: Positive
+    device: Count
+
+
+class NpuIpcHandle(Message, tag="npu_ipc"):
+    """Ascend IPC name of an NPU pool (``aclrtIpcMemGetExportKey``)."""
+
+    handle: Annotated[bytes, msgspec.Meta(max_length=128)]
+    size: Positive
+    device: Count
+
+
+MemoryHandle = Union[ShmHandle, CudaIpcHandle, NpuIpcHandle]
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """The shape of one KV pool. ``token_bytes`` is the size of one token of one layer
+    in one K (or V, or latent) buffer: kv heads x head dim x dtype size."""
+
+    layout: Layout
+    num_layers: Positive
+    num_pages: Positive
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20, description="tokens per page")]
+    token_bytes: Positive
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+
+
+class Compat(msgspec.Struct, frozen=True, kw_only=True):
+    """What two daemons must agree on to move KV between their pools."""
+
+    version: int
+    layout: Layout
+    page_size: int
+    dtype: str
+    num_layers: int
+    region_page_bytes: tuple[int, ...]
+    aux_slot_bytes: int
+
+
+def compat_hash(compat: Compat) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()[:16]
+
+
+def compat_diff(ours: Compat, theirs: Compat) -> list[str]:
+    """Each field that differs, as 'name: ours=X theirs=Y'."""
+    return [
+        f"{name}: ours={getattr(ours, name)!r} theirs={getattr(theirs, name)!r}"
+        for name in ours.__struct_fields__
+        if getattr(ours, name) != getattr(theirs, name)
+    ]
+
+
+# --- engine -> daemon
+
+
+class EngineHello(Message, tag="engine_hello"):
+    req: ReqId
+    version: int
+    engine: Text = ""
+
+
+class RegisterKV(Message, tag="register_kv"):
+    """Register (or replace, with a higher memory_version) the engine's KV pool."""
+
+    req: ReqId
+    memory: MemoryHandle
+    layout: KVLayout
+    memory_version: Positive
+
+
+class RegisterAux(Message, tag="register_aux"):
+    """Register the aux buffer: num_slots slots of slot_bytes each (a 32-byte stamp
+    header then the payload)."""
+
+    req: ReqId
+    memory: MemoryHandle
+    num_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    slot_bytes: Annotated[int, msgspec.Meta(ge=64, le=16 * 1024 * 1024)]
+
+
+class AllocSlot(Message, tag="alloc_slot"):
+    req: ReqId
+
+
+class FreeSlot(Message, tag="free_slot"):
+    """Give back a granted slot that was never bound to a room."""
+
+    req: ReqId
+    slot: Count
+    generation: Positive
+
+
+class Send(Message, tag="send"):
+    """Prefill: the KV of ``room`` is ready in ``pages``; its aux is in ``slot``."""
+
+    req: ReqId
+    room: RoomId
+    pages: PageBytes
+    num_tokens: Positive
+    slot: Count
+    generation: Positive
+    aux_bytes: Count  # payload bytes of the aux record in the slot
+    memory_version: Positive
+
+
+class Expect(Message, tag="expect"):
+    """Decode: receive ``room`` from the prefill daemon at ``bootstrap`` into
+    ``pages`` (room for the prompt plus ``num_draft_tokens``) and ``slot``."""
+
+    req: ReqId
+    room: RoomId
+    bootstrap: Annotated[str, msgspec.Meta(max_length=256)]
+    pages: PageBytes
+    slot: Count
+    generation: Positive
+    memory_version: Positive
+    num_draft_tokens: Count = 0
+
+
+class Poll(Message, tag="poll"):
+    req: ReqId
+    room: RoomId
+
+
+class Abort(Message, tag="abort"):
+    req: ReqId
+    room: RoomId
+    reason: Text = "aborted by engine"
+
+
+class Release(Message, tag="release"):
+    """The engine is done with a finished room: its record and slot may be recycled."""
+
+    req: ReqId
+    room: RoomId
+
+
+EngineRequest = Union[
+    EngineHello, RegisterKV, RegisterAux, AllocSlot, FreeSlot, Send, Expect, Poll, Abort, Release
+]
+
+
+# --- daemon -> engine
+
+
+class Welcome(Message, tag="welcome"):
+    req: ReqId
+    version: int
+    role: Role
+    incarnation: str
+    bootstrap: str  # where peer daemons reach this one ("" on decode)
+
+
+class Ok(Message, tag="ok"):
+    req: ReqId
+
+
+class SlotGrant(Message, tag="slot_grant"):
+    req: ReqId
+    slot: Count
+    generation: Positive
+    payload_bytes: Count
+
+
+class RoomStatus(Message, tag="room_status"):
+    """Reply to Poll, and pushed (req=0) when a room reaches Success or Failed, and
+    again when a failed room becomes fenced. The engine may reuse a failed room's
+    destination pages only once ``fenced`` is true: until then a write may land."""
+
+    req: ReqId
+    room: RoomId
+    state: RoomState
+    code: str = ""
+    reason: str = ""
+    fenced: bool = False
+
+
+class Error(Message, tag="error"):
+    req: ReqId
+    code: ErrorCode
+    message: str
+    room: int = 0
+
+
+class Busy(Message, tag="busy"):
+    req: ReqId
+    reason: str
+    retry_after_ms: Count
+
+
+EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy]
+
+
+# --- daemon <-> daemon (bootstrap channel)
+
+
+class PeerHello(Message, tag="peer_hello"):
+    """Decode -> prefill, first on a connection and again whenever the decode
+    engine re-registers: where to write and what the pools look like."""
+
+    version: int
+    incarnation: str
+    session: str  # transfer engine session id ("host:port")
+    compat: Compat
+    compat_hash: str
+    region_bases: tuple[Address, ...]  # one per layout region, in this daemon's address space
+    num_pages: Positive
+    aux_base: Address
+    aux_slots: Positive
+    memory_version: Positive
+
+
+class PeerWelcome(Message, tag="peer_welcome"):
+    version: int
+    incarnation: str
+    session: str
+
+
+class PeerRefused(Message, tag="peer_refused"):
+    code: ErrorCode
+    reason: str
+
+
+class RoomRequest(Message, tag="room_request"):
+    """Decode -> prefill: please write ``room`` into these pages and this slot."""
+
+    room: RoomId
+    pages: PageBytes
+    slot: Count
+    generation: Positive
+    memory_version: Positive
+    num_draft_tokens: Count = 0
+
+
+class RoomAccepted(Message, tag="room_accepted"):
+    room: RoomId
+    input_ready: bool
+
+
+class TransferStarted(Message, tag="transfer_started"):
+    room: RoomId
+
+
+class AuxRecord(Message, tag="aux_record"):
+    """Prefill -> decode, after every KV block of the room completed. The stamp
+    (room, generation, length, checksum) is what the destination slot must match;
+    ``payload`` is set when aux travels over this channel, empty when it was
+    written through the transfer engine."""
+
+    room: RoomId
+    slot: Count
+    generation: Positive
+    length: Count
+    checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+    payload: AuxPayload = b""
+    via_transfer_engine: bool = False
+
+
+class RoomAck(Message, tag="room_ack"):
+    """Decode -> prefill: the aux stamp verified; the room succeeded."""
+
+    room: RoomId
+
+
+class RoomFailed(Message, tag="room_failed"):
+    """Either direction: this room failed. ``fenced`` says the sender has no write
+    to the receiver's memory still in flight for it."""
+
+    room: RoomId
+    code: ErrorCode
+    reason: str
+    fenced: bool = True
+
+
+class PeerError(Message, tag="peer_error"):
+    """Reply to a peer message that could not be accepted at all."""
+
+    code: ErrorCode
+    message: str
+    room: int = 0
+
+
+PeerMessage = Union[
+    PeerHello,
+    PeerWelcome,
+    PeerRefused,
+    RoomRequest,
+    RoomAccepted,
+    TransferStarted,
+    AuxRecord,
+    RoomAck,
+    RoomFailed,
+    PeerError,
+]
+
+
+def tag_of(message: Message) -> str:
+    """The ``kind`` a message carries on the wire."""
+    return type(message).__struct_config__.tag
+
+
+class Codec:
+    """One encoder and typed decoders, built once and reused."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.engine_requests = msgspec.msgpack.Decoder(EngineRequest)
+        self.engine_replies = msgspec.msgpack.Decoder(EngineReply)
+        self.peer_messages = msgspec.msgpack.Decoder(PeerMessage)
+
+    def encode(self, message: Message) -> bytes:
+        return self.encoder.encode(message)
+
+
+def json_schema() -> dict:
+    """The JSON Schema of all three unions, as committed under proto/."""
+    (engine_req, engine_rep, peer), components = msgspec.json.schema_components(
+        [EngineRequest, EngineReply, PeerMessage], ref_template="#/$defs/{name}"
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"pdxfer protocol v{PROTOCOL_VERSION}",
+        "description": "MessagePack on the wire; bytes fields are raw msgpack bin. "
+        "Page index lists are little-endian int32 arrays.",
+        "protocol_version": PROTOCOL_VERSION,
+        "$defs": components,
+        "properties": {
+            "EngineRequest": engine_req,
+            "EngineReply": engine_rep,
+            "PeerMessage": peer,
+        },
+    }
+
+
+def schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(schema_text())

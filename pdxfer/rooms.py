@@ -1,0 +1,195 @@
+"""The room state machine, as a table, and the bounded table of rooms a daemon holds.
+
+No I/O and no clock: every call that depends on time takes ``now``.
+
+    Bootstrapping --bootstrapped--> WaitingForInput --input_ready--> Transferring --done--> Success
+         |  (input_ready first: remembered; bootstrapped then goes straight to Transferring)
+         +------------------------ fail, from any live state ------------------------> Failed
+
+Success and Failed are terminal and sticky: a late event for a finished room changes
+nothing (a completion that arrives after the room failed must not revive it). Any
+other move not in the table is a bug and raises IllegalTransition.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass, field
+
+from .errors import Busy, DuplicateRoom, IllegalTransition, UnknownRoom
+from .protocol import ErrorCode, Role, RoomState
+
+B = RoomState.BOOTSTRAPPING
+W = RoomState.WAITING_FOR_INPUT
+T = RoomState.TRANSFERRING
+S = RoomState.SUCCESS
+F = RoomState.FAILED
+
+
+class Event(str, enum.Enum):
+    BOOTSTRAPPED = "bootstrapped"  # both halves of the room are known to this daemon
+    INPUT_READY = "input_ready"  # prefill: the engine's send; decode: the prefill began writing
+    DONE = "done"  # decode: aux stamp verified; prefill: decode acknowledged that
+    FAIL = "fail"
+
+
+TRANSITIONS: dict[tuple[RoomState, Event], RoomState] = {
+    (B, Event.BOOTSTRAPPED): W,
+    (B, Event.INPUT_READY): B,
+    (W, Event.INPUT_READY): T,
+    (T, Event.DONE): S,
+    (B, Event.FAIL): F,
+    (W, Event.FAIL): F,
+    (T, Event.FAIL): F,
+}
+
+
+def next_state(state: RoomState, event: Event, has_input: bool) -> RoomState | None:
+    """The state after ``event``; None when the room is finished and ignores it."""
+    if state.terminal:
+        return None
+    try:
+        target = TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"no transition from {state.value} on {event.value}") from None
+    if target is W and has_input:
+        return T
+    return target
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds a room may spend in each state; ``retention`` is how long a finished
+    room the engine never released is kept before it is dropped."""
+
+    bootstrap: float = 30.0
+    waiting: float = 120.0
+    transfer: float = 30.0
+    retention: float = 300.0
+
+    def for_state(self, state: RoomState) -> float:
+        if state is B:
+            return self.bootstrap
+        if state is W:
+            return self.waiting
+        if state is T:
+            return self.transfer
+        return self.retention
+
+
+@dataclass(eq=False)
+class Room:
+    id: int
+    role: Role
+    state: RoomState
+    created: float
+    entered: float
+    deadline: float
+    has_input: bool = False
+    fenced: bool = False  # no write for this room can land in this side's memory any more
+    code: ErrorCode | None = None
+    reason: str = ""
+    peer: str = ""
+    slot: int = -1
+    generation: int = 0
+    bytes_planned: int = 0
+    bytes_moved: int = 0
+    history: list[tuple[RoomState, float]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.state.terminal
+
+
+class RoomTable:
+    """At most ``capacity`` rooms, live or finished-but-unreleased."""
+
+    def __init__(self, capacity: int, timeouts: Timeouts) -> None:
+        self.capacity = capacity
+        self.timeouts = timeouts
+        self._rooms: dict[int, Room] = {}
+        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, room, history length)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def __iter__(self):
+        return iter(self._rooms.values())
+
+    def __contains__(self, room_id: int) -> bool:
+        return room_id in self._rooms
+
+    def create(self, room_id: int, role: Role, now: float) -> Room:
+        if room_id in self._rooms:
+            raise DuplicateRoom(f"room {room_id} already exists", room=room_id)
+        if len(self._rooms) >= self.capacity:
+            raise Busy(f"room table full ({self.capacity} rooms)", room=room_id)
+        room = Room(room_id, role, B, created=now, entered=now, deadline=now + self.timeouts.bootstrap)
+        room.history.append((B, now))
+        self._rooms[room_id] = room
+        heapq.heappush(self._deadlines, (room.deadline, room_id, 1))
+        return room
+
+    def get(self, room_id: int) -> Room:
+        try:
+            return self._rooms[room_id]
+        except KeyError:
+            raise UnknownRoom(f"unknown room {room_id}", room=room_id) from None
+
+    def find(self, room_id: int) -> Room | None:
+        return self._rooms.get(room_id)
+
+    def apply(
+        self,
+        room: Room,
+        event: Event,
+        now: float,
+        *,
+        code: ErrorCode | None = None,
+        reason: str = "",
+    ) -> bool:
+        """Move ``room`` by ``event``. Returns whether its state changed."""
+        target = next_state(room.state, event, room.has_input)
+        if target is None:
+            return False
+        if event is Event.INPUT_READY:
+            room.has_input = True
+        if target is room.state:
+            return False
+        if target is F:
+            room.code = code or ErrorCode.INTERNAL
+            room.reason = reason or "failed"
+        room.state = target
+        room.entered = now
+        room.deadline = now + self.timeouts.for_state(target)
+        room.history.append((target, now))
+        heapq.heappush(self._deadlines, (room.deadline, room.id, len(room.history)))
+        return True
+
+    def remove(self, room_id: int) -> Room | None:
+        room = self._rooms.pop(room_id, None)
+        # Entries of removed rooms stay in the heap until their deadline; rebuild it
+        # when they dominate, so a fast stream of short rooms cannot grow it.
+        if len(self._deadlines) > 4 * len(self._rooms) + 1024:
+            self._deadlines = [(r.deadline, r.id, len(r.history)) for r in self._rooms.values()]
+            heapq.heapify(self._deadlines)
+        return room
+
+    def expired(self, now: float) -> list[Room]:
+        """Rooms whose deadline for their current state has passed: live ones to be
+        failed with a timeout, finished ones to be dropped."""
+        out = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, room_id, version = heapq.heappop(heap)
+            room = self._rooms.get(room_id)
+            if room is not None and len(room.history) == version:
+                out.append(room)
+        return out
+
+    def counts(self) -> dict[RoomState, int]:
+        counts = {state: 0 for state in RoomState}
+        for room in self._rooms.values():
+            counts[room.state] += 1
+        return counts

@@ -1,0 +1,299 @@
+"""What both daemon roles share: the engine conversation, registrations, the room
+table, failure and fencing, and timeouts.
+
+A service does no socket I/O itself. It replies by returning messages and reaches
+its engine and peers through callables the daemon injects (``send_engine``,
+``send_peer``), and moves bytes through the pump; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Awaitable, Callable
+
+import msgspec
+
+from . import errors, memory, paths
+from .config import Config
+from .errors import PdxferError
+from .plan import check_memory_version
+from .pools import AuxBuffer, KVPool
+from .protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    AllocSlot,
+    Busy,
+    Codec,
+    EngineHello,
+    Error,
+    ErrorCode,
+    Expect,
+    FreeSlot,
+    Message,
+    Ok,
+    Poll,
+    RegisterAux,
+    RegisterKV,
+    Release,
+    Role,
+    RoomStatus,
+    Send,
+    ShmHandle,
+    SlotGrant,
+    Welcome,
+    tag_of,
+)
+from .rooms import Event, Room, RoomTable, Timeouts
+from .slots import SlotState
+
+log = logging.getLogger("pdxfer.service")
+
+
+class RoomService:
+    role: Role
+
+    def __init__(
+        self,
+        config: Config,
+        incarnation: str,
+        register_memory: Callable[[int, int], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.incarnation = incarnation
+        self.register_memory = register_memory
+        self.clock = clock
+        self.codec = Codec()
+        self.rooms = RoomTable(
+            config.max_rooms,
+            Timeouts(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.retention),
+        )
+        self.kv: KVPool | None = None
+        self.aux: AuxBuffer | None = None
+        self.session = ""  # transfer engine session id, set by the daemon
+        self.bootstrap_address = ""
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.send_engine: Callable[[bytes, Message], None] = lambda identity, message: None
+        self.pump = None  # pump.TransferPump, set by the daemon
+
+    # --- engine conversation
+
+    async def on_engine(self, identity: bytes, raw: bytes) -> Message:
+        """Handle one engine message and return the reply."""
+        if len(raw) > self.config.max_message_bytes:
+            return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
+        try:
+            msg = self.codec.engine_requests.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
+        try:
+            if isinstance(msg, RegisterKV):
+                return await self._register_kv(msg)
+            if isinstance(msg, RegisterAux):
+                return await self._register_aux(msg)
+            return self._dispatch(identity, msg)
+        except errors.Busy as exc:
+            return Busy(req=msg.req, reason=exc.message, retry_after_ms=exc.retry_after_ms)
+        except PdxferError as exc:
+            return Error(req=msg.req, code=exc.code, message=str(exc), room=exc.room)
+        except Exception as exc:  # H1: a bug answers this request and nothing else
+            room = getattr(msg, "room", 0)
+            self.failures["internal"] += 1
+            log.exception("internal error handling %s for room %s", type(msg).__name__, room)
+            return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
+
+    def _dispatch(self, identity: bytes, msg: Message) -> Message:
+        if isinstance(msg, Poll):
+            return self.status(self.rooms.get(msg.room), msg.req)
+        if isinstance(msg, AllocSlot):
+            slot = self._aux().slots.allocate(self.clock())
+            return SlotGrant(req=msg.req, slot=slot.index, generation=slot.generation, payload_bytes=self._aux().payload_bytes)
+        if isinstance(msg, FreeSlot):
+            self._aux().slots.give_back(msg.slot, msg.generation, self.clock())
+            return Ok(req=msg.req)
+        if isinstance(msg, Abort):
+            room = self.rooms.get(msg.room)
+            self.fail(room, ErrorCode.ABORTED, f"aborted by the {self.role.value} engine: {msg.reason}")
+            return Ok(req=msg.req)
+        if isinstance(msg, Release):
+            room = self.rooms.get(msg.room)
+            if not room.finished:
+                raise errors.BadMessage(f"room {room.id} is {room.state.value}; abort it before releasing it", room=room.id)
+            self.drop(room)
+            return Ok(req=msg.req)
+        if isinstance(msg, EngineHello):
+            if msg.version != PROTOCOL_VERSION:
+                raise errors.VersionMismatch(f"engine speaks protocol {msg.version}, this daemon speaks {PROTOCOL_VERSION}", side=errors.Side.ENGINE)
+            return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
+        if isinstance(msg, Send):
+            return self.on_send(identity, msg)
+        if isinstance(msg, Expect):
+            return self.on_expect(identity, msg)
+        raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
+
+    def on_send(self, identity: bytes, msg: Send) -> Message:
+        raise errors.BadMessage(f"send() goes to a prefill daemon; this one is {self.role.value}", room=msg.room)
+
+    def on_expect(self, identity: bytes, msg: Expect) -> Message:
+        raise errors.BadMessage(f"expect() goes to a decode daemon; this one is {self.role.value}", room=msg.room)
+
+    # --- registrations
+
+    async def _register_kv(self, msg: RegisterKV) -> Message:
+        kind = tag_of(msg.memory)
+        paths.check_pool(self.config.protocol, self.config.device, kind)
+        if self.kv is not None and msg.memory_version <= self.kv.version:
+            raise errors.StaleMemoryVersion(
+                f"new registration must have a memory version above {self.kv.version}, got {msg.memory_version}"
+            )
+        need = KVPool.required_bytes(msg.layout)
+        if msg.memory.size < need:
+            raise errors.InsufficientCapacity(f"the layout needs {need} bytes but the pool has {msg.memory.size}")
+        mapped = memory.open_handle(msg.memory)
+        try:
+            await self.register_memory(mapped.address, msg.memory.size)
+        except BaseException:
+            mapped.close()
+            raise
+        old, self.kv = self.kv, KVPool(mapped, msg.layout, msg.memory_version, kind)
+        if old is not None:
+            self._fail_stale(old.version)
+        log.info("registered KV pool: %s, %d layers, %d pages of %d tokens, memory version %d",
+                 msg.layout.layout.value, msg.layout.num_layers, msg.layout.num_pages, msg.layout.page_size, msg.memory_version)
+        self.on_kv_registered()
+        return Ok(req=msg.req)
+
+    async def _register_aux(self, msg: RegisterAux) -> Message:
+        if not isinstance(msg.memory, ShmHandle):
+            raise errors.Unsupported("aux buffers live in host shared memory (shm handles only)")
+        if self.aux is not None and any(not r.finished for r in self.rooms):
+            raise errors.BadMessage("cannot replace the aux buffer while rooms are live")
+        if msg.memory.size < msg.num_slots * msg.slot_bytes:
+            raise errors.InsufficientCapacity(
+                f"{msg.num_slots} slots of {msg.slot_bytes} bytes need {msg.num_slots * msg.slot_bytes} bytes, the buffer has {msg.memory.size}"
+            )
+        mapped = memory.open_handle(msg.memory)
+        try:
+            await self.register_memory(mapped.address, msg.memory.size)
+        except BaseException:
+            mapped.close()
+            raise
+        self.aux = AuxBuffer(mapped, msg.num_slots, msg.slot_bytes)
+        log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
+        self.on_kv_registered()
+        return Ok(req=msg.req)
+
+    def on_kv_registered(self) -> None:
+        """Hook: the decode role re-announces its pools to its peers."""
+
+    def _fail_stale(self, old_version: int) -> None:
+        """C3: rooms planned against a replaced registration fail before more bytes move."""
+        for room in list(self.rooms):
+            if not room.finished and self.room_memory_version(room) <= old_version:
+                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"the engine re-registered its KV pool (memory version {old_version} -> {self.kv.version}) while this room was {room.state.value}")
+
+    def room_memory_version(self, room: Room) -> int:
+        raise NotImplementedError
+
+    def _kv(self) -> KVPool:
+        if self.kv is None:
+            raise errors.NotRegistered("the engine has not registered its KV pool")
+        return self.kv
+
+    def _aux(self) -> AuxBuffer:
+        if self.aux is None:
+            raise errors.NotRegistered("the engine has not registered its aux buffer")
+        return self.aux
+
+    def check_local_version(self, used: int, room: int) -> None:
+        check_memory_version(used, self._kv().version, "local", room)
+
+    # --- rooms
+
+    def status(self, room: Room, req: int = 0) -> RoomStatus:
+        return RoomStatus(
+            req=req, room=room.id, state=room.state, code=room.code.value if room.code else "", reason=room.reason, fenced=room.fenced
+        )
+
+    def push(self, room: Room, engine: bytes) -> None:
+        if engine:
+            self.send_engine(engine, self.status(room))
+
+    def engine_of(self, room: Room) -> bytes:
+        raise NotImplementedError
+
+    def bind_slot(self, room: Room, slot: int, generation: int) -> None:
+        self._aux().slots.bind(slot, generation, room.id, self.clock())
+        room.slot, room.generation = slot, generation
+
+    def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
+        """Fail a live room: quarantine its slot, let the role tell its peer and stop
+        its writes, tell the engine. Returns False if the room had already finished."""
+        now = self.clock()
+        if not self.rooms.apply(room, Event.FAIL, now, code=code, reason=reason):
+            return False
+        self.failures[code.value] += 1
+        log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason)
+        if room.slot >= 0 and self.aux is not None:
+            slot = self.aux.slots.slots[room.slot]
+            if slot.generation == room.generation and slot.state in (SlotState.ARMED, SlotState.WRITTEN):
+                self.aux.slots.quarantine(room.slot, room.generation, now, now + self.config.fence_timeout)
+        room.fenced = self.stop_writes(room)
+        if room.fenced:
+            self._fence_slot(room)
+        self.push(room, self.engine_of(room))
+        return True
+
+    def stop_writes(self, room: Room) -> bool:
+        """Hook: stop whatever may still write for ``room`` and tell the peer. Return
+        True if nothing can land any more (the room is fenced at once)."""
+        raise NotImplementedError
+
+    def fenced(self, room: Room) -> None:
+        """No write for this failed room can land any more."""
+        if room.fenced or not room.finished:
+            return
+        room.fenced = True
+        self._fence_slot(room)
+        self.push(room, self.engine_of(room))
+
+    def _fence_slot(self, room: Room) -> None:
+        if room.slot >= 0 and self.aux is not None:
+            self.aux.slots.fence(room.slot, room.generation, self.clock())
+
+    def succeed(self, room: Room) -> None:
+        if self.rooms.apply(room, Event.DONE, self.clock()):
+            room.fenced = True
+            self.push(room, self.engine_of(room))
+
+    def drop(self, room: Room) -> None:
+        """Forget a finished room; its slot returns to the pool unless quarantined."""
+        self.rooms.remove(room.id)
+        self.forget(room)
+        if room.slot >= 0 and self.aux is not None:
+            slot = self.aux.slots.slots[room.slot]
+            if slot.generation == room.generation and slot.state in (SlotState.GRANTED, SlotState.ARMED, SlotState.WRITTEN):
+                self.aux.slots.release(room.slot, room.generation, self.clock())
+
+    def forget(self, room: Room) -> None:
+        """Hook: drop the role's per-room state."""
+
+    def tick(self) -> None:
+        """Apply timeouts: fail rooms stuck past their state's deadline, drop
+        finished rooms never released, free slots whose fence deadline passed."""
+        now = self.clock()
+        for room in self.rooms.expired(now):
+            if room.finished:
+                log.info("room %d dropped: finished %.0fs ago and never released", room.id, now - room.entered)
+                self.drop(room)
+            else:
+                limit = self.rooms.timeouts.for_state(room.state)
+                self.fail(room, ErrorCode.TIMEOUT, f"no progress for {limit:g}s in {room.state.value} (peer {room.peer or 'unknown'})")
+        if self.aux is not None:
+            for slot in self.aux.slots.expire_fences(now):
+                room = self.rooms.find(slot.room)
+                log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room)
+                if room is not None and room.generation == slot.generation:
+                    self.fenced(room)

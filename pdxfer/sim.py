@@ -1,0 +1,293 @@
+"""Simulated engines: a prefill engine that fills KV pages with a known pattern and
+sends them, and a decode engine that receives them and checks every byte.
+
+They use pdxfer.client exactly as a real engine would, run as their own processes
+(``python -m pdxfer.sim prefill|decode ...``), and print JSON lines on stdout:
+``progress`` lines while they run and one ``summary`` line at the end. The demo,
+the integration tests and the benchmark drive them.
+
+Both engines derive the same room list from the seed, so no router is needed: room
+ids are random 64-bit values, prompts are 1..max_tokens tokens, and page choices are
+scattered so that coalescing has real work to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import errors
+from .client import AsyncClient, Slot
+from .plan import pages_for_tokens
+from .protocol import KVLayout, Layout, RoomState
+
+AUX_RECORD_BYTES = 64
+FAULTS = ("small", "stale", "out_of_range")
+
+
+@dataclass(frozen=True)
+class RoomSpec:
+    index: int
+    room: int
+    tokens: int
+
+
+def room_plan(seed: int, count: int, max_tokens: int) -> list[RoomSpec]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 2**63, size=count, dtype=np.int64).astype(np.uint64) | np.uint64(1 << 63)
+    tokens = rng.integers(1, max_tokens + 1, size=count)
+    return [RoomSpec(i, int(r), int(t)) for i, (r, t) in enumerate(zip(ids, tokens))]
+
+
+def page_pattern(room: int, region: int, nbytes: int) -> np.ndarray:
+    """The bytes the prefill writes into a room's pages of one region: distinct for
+    every room, region and 8-byte position, so a misplaced page cannot pass, and
+    cheap enough that the engines do not hide the transfer's speed."""
+    seed = (room * 0x9E3779B97F4A7C15 + region * 0xBF58476D1CE4E5B9) % 2**64
+    words = np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x94D049BB133111EB) + np.uint64(seed)
+    return words.view(np.uint8)
+
+
+def aux_record(room: int, tokens: int) -> bytes:
+    head = room.to_bytes(8, "little") + tokens.to_bytes(8, "little")
+    return head + hashlib.sha256(head).digest() + bytes(AUX_RECORD_BYTES - 16 - 32)
+
+
+def fault_of(index: int, faults: dict[str, int]) -> str:
+    for kind, every in faults.items():
+        if every and index % every == every - 1:
+            return kind
+    return ""
+
+
+class PageAllocator:
+    """Free pages handed out scattered, in short runs of consecutive pages (as real
+    allocators produce them); waits when the pool is short."""
+
+    RUN = 4
+
+    def __init__(self, num_pages: int, seed: int) -> None:
+        runs = np.random.default_rng(seed).permutation(num_pages // self.RUN)
+        order = (runs[:, None] * self.RUN + np.arange(self.RUN)).ravel()
+        self._free = order.tolist() + list(range(order.size, num_pages))
+        self._cond = asyncio.Condition()
+
+    async def take(self, n: int) -> np.ndarray:
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._free) >= n)
+            pages, self._free = self._free[:n], self._free[n:]
+        return np.asarray(pages, dtype=np.int32)
+
+    async def give(self, pages: np.ndarray) -> None:
+        async with self._cond:
+            self._free.extend(pages.tolist())
+            self._cond.notify_all()
+
+
+class Reporter:
+    def __init__(self, every: float = 0.2) -> None:
+        self.every = every
+        self.last = 0.0
+
+    def emit(self, event: str, force: bool = False, **fields) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            self.last = now
+            sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+            sys.stdout.flush()
+
+
+def layout_from(args) -> KVLayout:
+    return KVLayout(
+        layout=Layout(args.layout), num_layers=args.layers, num_pages=args.pages, page_size=args.page_size,
+        token_bytes=args.token_bytes, dtype="uint8",
+    )
+
+
+async def _connect(args) -> tuple[AsyncClient, KVLayout]:
+    client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}")
+    await client.connect()
+    layout = layout_from(args)
+    await client.create_kv_pool(layout)
+    await client.create_aux_buffer(args.slots, AUX_RECORD_BYTES)
+    return client, layout
+
+
+async def _alloc_slot(client: AsyncClient) -> Slot:
+    while True:
+        try:
+            return await client.alloc_slot()
+        except errors.Busy as exc:
+            await asyncio.sleep(exc.retry_after_ms / 1000)
+
+
+async def run_prefill(args) -> dict:
+    client, layout = await _connect(args)
+    pages = PageAllocator(layout.num_pages, args.seed + 1)
+    arrays = client.kv.arrays()
+    outcome: dict[str, int] = {}
+    gate = asyncio.Semaphore(args.in_flight)
+    report = Reporter()
+
+    async def one(spec: RoomSpec) -> None:
+        n = pages_for_tokens(spec.tokens, layout.page_size)
+        src = await pages.take(n)
+        try:
+            for r, arr in enumerate(arrays):
+                arr[src] = page_pattern(spec.room, r, n * arr.shape[1]).reshape(n, -1)
+            slot = await _alloc_slot(client)
+            client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(spec.room, spec.tokens), np.uint8)
+            await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES)
+            status = await client.wait(spec.room, timeout=args.room_timeout)
+            key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code}"
+            await client.release(spec.room)
+        except errors.PdxferError as exc:
+            key = f"error:{exc.code.value}"
+        outcome[key] = outcome.get(key, 0) + 1
+        await pages.give(src)
+        report.emit("progress", done=sum(outcome.values()))
+
+    async def gated(spec: RoomSpec) -> None:
+        async with gate:
+            await one(spec)
+
+    await asyncio.gather(*(gated(s) for s in room_plan(args.seed, args.rooms, args.max_tokens)))
+    await client.close()
+    return {"event": "summary", "role": "prefill", "outcome": outcome}
+
+
+async def run_decode(args) -> dict:
+    client, layout = await _connect(args)
+    faults = {k: v for k, v in (f.split(":") for f in args.fault)} if args.fault else {}
+    faults = {k: int(v) for k, v in faults.items()}
+    pages = PageAllocator(layout.num_pages, args.seed + 2)
+    arrays = client.kv.arrays()
+    region_bytes = sum(a.shape[1] for a in arrays)
+    outcome: dict[str, int] = {}
+    by_fault: dict[str, dict[str, int]] = {}
+    latencies: list[float] = []
+    moved = 0
+    mismatches = 0
+    gate = asyncio.Semaphore(args.in_flight)
+    report = Reporter()
+    started = time.perf_counter()
+
+    async def one(spec: RoomSpec) -> None:
+        nonlocal moved, mismatches
+        fault = fault_of(spec.index, faults)
+        n_src = pages_for_tokens(spec.tokens, layout.page_size)
+        n_dst = pages_for_tokens(spec.tokens + args.draft_tokens, layout.page_size)
+        if fault == "small":
+            n_dst = max(1, n_src - 1) if n_src > 1 else 1
+        dst = await pages.take(n_dst)
+        wire_pages = dst.copy()
+        version = None
+        if fault == "out_of_range":
+            wire_pages[-1] = layout.num_pages
+        elif fault == "stale":
+            version = client.kv.version + 1
+        t0 = time.perf_counter()
+        try:
+            slot = await _alloc_slot(client)
+            client.aux.payload(slot)[:] = 0
+            try:
+                await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version)
+            except errors.PdxferError:
+                await client.free_slot(slot)
+                raise
+            status = await client.wait(spec.room, timeout=args.room_timeout)
+            if status.state is RoomState.SUCCESS:
+                latencies.append(time.perf_counter() - t0)
+                ok = bytes(client.aux.payload(slot)[:AUX_RECORD_BYTES]) == aux_record(spec.room, spec.tokens)
+                for r, arr in enumerate(arrays):
+                    got = arr[dst[:n_src]].reshape(-1)
+                    ok = ok and np.array_equal(got, page_pattern(spec.room, r, got.size))
+                if not ok:
+                    mismatches += 1
+                    print(f"room {spec.room}: destination bytes differ from the source", file=sys.stderr)
+                moved += n_src * region_bytes + AUX_RECORD_BYTES
+                key = "success"
+            else:
+                key = f"failed:{status.code}"
+                if not fault:
+                    print(f"room {spec.room}: failed [{status.code}] {status.reason}", file=sys.stderr)
+            await client.release(spec.room)
+        except errors.PdxferError as exc:
+            key = f"error:{exc.code.value}"
+            if not fault:
+                print(f"room {spec.room}: {exc}", file=sys.stderr)
+        outcome[key] = outcome.get(key, 0) + 1
+        bucket = by_fault.setdefault(fault or "none", {})
+        bucket[key] = bucket.get(key, 0) + 1
+        await pages.give(dst)
+        report.emit("progress", done=sum(outcome.values()), total=args.rooms, bytes=moved, mismatches=mismatches)
+
+    async def gated(spec: RoomSpec) -> None:
+        async with gate:
+            await one(spec)
+
+    await asyncio.gather(*(gated(s) for s in room_plan(args.seed, args.rooms, args.max_tokens)))
+    elapsed = time.perf_counter() - started
+    await client.close()
+    lat = np.array(latencies) * 1000 if latencies else np.zeros(1)
+    return {
+        "event": "summary",
+        "role": "decode",
+        "rooms": args.rooms,
+        "outcome": outcome,
+        "by_fault": by_fault,
+        "mismatches": mismatches,
+        "bytes": moved,
+        "seconds": elapsed,
+        "gbps": moved / elapsed / 1e9 if elapsed else 0.0,
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdxfer.sim", description="A simulated prefill or decode engine driving a pdxfer daemon.")
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("--engine", required=True, help="the daemon's engine endpoint")
+    p.add_argument("--bootstrap", default="", help="decode: the prefill daemon's bootstrap address (host:port)")
+    p.add_argument("--rooms", type=int, default=400)
+    p.add_argument("--in-flight", type=int, default=32)
+    p.add_argument("--layout", default="mha", choices=[x.value for x in Layout])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--token-bytes", type=int, default=512)
+    p.add_argument("--pages", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--draft-tokens", type=int, default=0, help="decode: speculative draft tokens reserved per room")
+    p.add_argument("--slots", type=int, default=128, help="aux slots")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon reply")
+    p.add_argument("--room-timeout", type=float, default=120.0, help="seconds to wait for a room to settle")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND:EVERY",
+                   help=f"decode: make every EVERY-th room faulty; KIND is one of {', '.join(FAULTS)}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    runner = run_prefill if args.role == "prefill" else run_decode
+    try:
+        import uvloop
+
+        summary = uvloop.run(runner(args))
+    except ImportError:
+        summary = asyncio.run(runner(args))
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 1 if summary.get("mismatches") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
