@@ -157,7 +157,7 @@ class DecodeService(RoomService):
             self._dispatch_link(link, msg)
         except PdxferError as exc:
             log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc)
-            self.send_link(endpoint, PeerError(code=exc.code, message=str(exc), room=exc.room))
+            self.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception:  # H1
             self.failures["internal"] += 1
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint)

@@ -18,12 +18,14 @@ class PdxferError(Exception):
     code: ErrorCode = ErrorCode.INTERNAL
     side: Side = Side.LOCAL
 
-    def __init__(self, message: str, *, room: int = 0, side: Side | None = None) -> None:
+    def __init__(self, message: str, *, room: int = 0, side: Side | None = None, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.room = room
         if side is not None:
             self.side = side
+        if code is not None:
+            self.code = code
 
     def __str__(self) -> str:
         prefix = f"room {self.room}: " if self.room else ""

@@ -109,8 +109,10 @@ class PrefillService(RoomService):
         if msg.aux_bytes > aux.payload_bytes:
             raise errors.InsufficientCapacity(f"aux record of {msg.aux_bytes} bytes exceeds the slot payload of {aux.payload_bytes}", room=msg.room)
         room = self.rooms.find(msg.room)
-        if room is not None and (room.finished or room.has_input):
+        if room is not None and room.has_input:
             raise errors.DuplicateRoom(f"send() for room {msg.room} was already made", room=msg.room)
+        if room is not None and room.finished:
+            raise PdxferError(f"room {msg.room} already failed before send(): {room.reason}", room=msg.room, code=room.code)
         created = room is None
         if created:
             room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
@@ -158,7 +160,7 @@ class PrefillService(RoomService):
             else:
                 raise errors.BadMessage(f"a prefill daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
         except PdxferError as exc:
-            self.send_peer(identity, PeerError(code=exc.code, message=str(exc), room=exc.room))
+            self.send_peer(identity, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception as exc:  # H1
             self.failures["internal"] += 1
             log.exception("internal error handling %s from peer", type(msg).__name__)
@@ -206,11 +208,12 @@ class PrefillService(RoomService):
 
     def _request(self, peer: DecodePeer, msg: RoomRequest) -> None:
         room = self.rooms.find(msg.room)
-        if room is not None and room.finished and not self.work[room.id].peer:
+        w = self.work.get(msg.room)
+        if room is not None and room.finished and not (w and w.peer):
             # Failed before the decode side showed up: tell it, with nothing in flight.
             self.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
             return
-        if room is not None and (room.finished or self.work[room.id].peer):
+        if room is not None and (room.finished or (w and w.peer)):
             raise errors.DuplicateRoom(f"room {msg.room} was already requested", room=msg.room, side=errors.Side.PEER)
         try:
             dst = pages_from_bytes(msg.pages)

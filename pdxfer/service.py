@@ -97,7 +97,7 @@ class RoomService:
         except errors.Busy as exc:
             return Busy(req=msg.req, reason=exc.message, retry_after_ms=exc.retry_after_ms)
         except PdxferError as exc:
-            return Error(req=msg.req, code=exc.code, message=str(exc), room=exc.room)
+            return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
         except Exception as exc:  # H1: a bug answers this request and nothing else
             room = getattr(msg, "room", 0)
             self.failures["internal"] += 1
@@ -114,7 +114,9 @@ class RoomService:
             self._aux().slots.give_back(msg.slot, msg.generation, self.clock())
             return Ok(req=msg.req)
         if isinstance(msg, Abort):
-            room = self.rooms.get(msg.room)
+            room = self.rooms.find(msg.room)
+            if room is None:  # a tombstone, so the peer learns of the abort when it asks
+                room = self.rooms.create(msg.room, self.role, self.clock())
             self.fail(room, ErrorCode.ABORTED, f"aborted by the {self.role.value} engine: {msg.reason}")
             return Ok(req=msg.req)
         if isinstance(msg, Release):

@@ -184,8 +184,10 @@ async def run_decode(args) -> dict:
         fault = fault_of(spec.index, faults)
         n_src = pages_for_tokens(spec.tokens, layout.page_size)
         n_dst = pages_for_tokens(spec.tokens + args.draft_tokens, layout.page_size)
-        if fault == "small":
-            n_dst = max(1, n_src - 1) if n_src > 1 else 1
+        if fault == "small":  # one page short of prompt + drafts (when a page can be spared)
+            n_dst -= 1
+            fault = fault if n_dst else ""
+            n_dst = n_dst or 1
         dst = await pages.take(n_dst)
         wire_pages = dst.copy()
         version = None

@@ -1,0 +1,85 @@
+"""Shared fixtures: real daemons (separate processes, real transfer engine over TCP
+on loopback) and engine clients in the test process."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from pdxfer.client import Client
+from pdxfer.launch import start_daemon
+from pdxfer.protocol import KVLayout, Layout
+
+
+def _transfer_engine_available() -> str:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        return f"the Mooncake transfer engine is not importable here: {exc}"
+    return ""
+
+
+MOONCAKE_MISSING = _transfer_engine_available()
+needs_mooncake = pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "-")
+
+
+@pytest.fixture
+def runtime_dir():
+    # Short path: ipc socket paths are limited to ~107 bytes.
+    path = tempfile.mkdtemp(prefix="pdx-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons(runtime_dir, tmp_path):
+    """Factory: start(role, *flags) -> DaemonProcess; all are stopped at teardown and
+    must exit cleanly (a crash in a daemon fails the test that caused it)."""
+    started = []
+
+    def start(role: str, *flags: str, name: str = ""):
+        log = open(tmp_path / f"{name or role}-{len(started)}.log", "w")
+        daemon = start_daemon(role, runtime_dir, "--log-level", "info", *flags, name=name, stderr=log)
+        daemon.log_path = log.name
+        started.append(daemon)
+        return daemon
+
+    yield start
+    codes = {d.ready.get("name", d.role): d.stop() for d in started}
+    crashed = {name: code for name, code in codes.items() if code not in (0, -9)}
+    assert not crashed, f"daemons exited abnormally: {crashed}"
+
+
+@pytest.fixture
+def pair(daemons):
+    """A prefill and a decode daemon with default options."""
+    return daemons("prefill"), daemons("decode")
+
+
+def small_layout(layout: Layout = Layout.MHA, **overrides) -> KVLayout:
+    fields = dict(layout=layout, num_layers=4, num_pages=256, page_size=4, token_bytes=64, dtype="bfloat16")
+    fields.update(overrides)
+    return KVLayout(**fields)
+
+
+@pytest.fixture
+def engines(pair):
+    """Connected engine clients for the prefill and decode daemons, each with a
+    small registered KV pool and aux buffer. Returns (prefill, decode, bootstrap)."""
+    prefill_daemon, decode_daemon = pair
+    made = []
+
+    def connect(daemon, layout: KVLayout, slots: int = 16, payload: int = 64) -> Client:
+        client = Client(daemon.engine, timeout=20.0)
+        client.connect()
+        client.create_kv_pool(layout)
+        client.create_aux_buffer(slots, payload)
+        made.append(client)
+        return client
+
+    connect.prefill_daemon, connect.decode_daemon = prefill_daemon, decode_daemon
+    yield connect
+    for client in made:
+        client.close()

@@ -1,0 +1,219 @@
+"""Daemons and engines in separate processes, KV moved for real by the Mooncake
+transfer engine over TCP on loopback, every destination byte checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdxfer import errors
+from pdxfer.launch import read_events, start_sim
+from pdxfer.protocol import Layout, RoomState
+
+from .conftest import needs_mooncake, small_layout
+
+pytestmark = [needs_mooncake, pytest.mark.integration]
+
+SMALL = ["--layers", "4", "--page-size", "8", "--token-bytes", "64", "--pages", "1024", "--max-tokens", "96"]
+
+
+def run_sims(prefill, decode, rooms: int, in_flight: int, *common: str, decode_flags=(), timeout=300.0):
+    flags = ["--rooms", str(rooms), "--in-flight", str(in_flight), "--slots", str(2 * in_flight), *SMALL, *common]
+    procs = {
+        "prefill": start_sim("prefill", prefill.engine, *flags, "--room-timeout", "60"),
+        "decode": start_sim("decode", decode.engine, "--bootstrap", prefill.bootstrap, *flags, "--room-timeout", "60", *decode_flags),
+    }
+    summaries = read_events(procs, timeout=timeout)
+    assert set(summaries) == {"prefill", "decode"}, f"an engine died: {summaries}"
+    return summaries["prefill"], summaries["decode"]
+
+
+def test_thousand_rooms_32_in_flight_every_byte_verified(pair):
+    prefill, decode = pair
+    pre, dec = run_sims(prefill, decode, 1000, 32)
+    assert dec["mismatches"] == 0
+    assert dec["outcome"] == {"success": 1000}, dec["outcome"]
+    assert pre["outcome"] == {"success": 1000}, pre["outcome"]
+    assert dec["bytes"] > 0
+
+
+@pytest.mark.parametrize("aux_path", ["tcp", "transfer_engine"])
+@pytest.mark.parametrize("layout", [x.value for x in Layout])
+def test_every_layout_and_aux_path(daemons, layout, aux_path):
+    prefill = daemons("prefill", "--aux-path", aux_path)
+    decode = daemons("decode", "--aux-path", aux_path)
+    pre, dec = run_sims(prefill, decode, 48, 16, "--layout", layout, "--seed", "7")
+    assert dec["mismatches"] == 0
+    assert dec["outcome"] == {"success": 48}, dec["outcome"]
+    assert pre["outcome"] == {"success": 48}, pre["outcome"]
+
+
+def test_faulty_rooms_fail_with_their_reason_and_the_rest_succeed(daemons):
+    # The prefill side of a room the decode engine could not even start only learns
+    # of it through its bootstrap timeout, kept short here.
+    prefill = daemons("prefill", "--bootstrap-timeout", "3")
+    decode = daemons("decode")
+    faults = ["--fault", "small:7", "--fault", "out_of_range:11", "--fault", "stale:13"]
+    # Drafts of a whole page make every room need two pages, so 'small' can take one away.
+    pre, dec = run_sims(prefill, decode, 200, 16, "--draft-tokens", "8", decode_flags=faults)
+    by_fault = dec["by_fault"]
+    assert dec["mismatches"] == 0
+    assert by_fault["none"] == {"success": sum(by_fault["none"].values())}, by_fault
+    assert by_fault["small"] == {"failed:insufficient_capacity": sum(by_fault["small"].values())}, by_fault
+    assert by_fault["out_of_range"] == {"error:page_out_of_range": sum(by_fault["out_of_range"].values())}, by_fault
+    assert by_fault["stale"] == {"error:stale_memory_version": sum(by_fault["stale"].values())}, by_fault
+    # Every prefill room ended: Success, its peer's capacity failure, or a timeout.
+    assert sum(pre["outcome"].values()) == 200
+    assert set(pre["outcome"]) <= {"success", "failed:insufficient_capacity", "failed:timeout"}, pre["outcome"]
+
+
+def _fill_room(prefill, room: int, pages: np.ndarray, tokens: int, seed: int):
+    """Write a recognisable pattern into the prefill pages and aux slot; return what
+    the decode side must see (per-region page bytes, aux bytes)."""
+    rng = np.random.default_rng(seed)
+    expected = []
+    for arr in prefill.kv.arrays():
+        data = rng.integers(0, 256, size=(pages.size, arr.shape[1]), dtype=np.uint8)
+        arr[pages] = data
+        expected.append(data)
+    slot = prefill.alloc_slot()
+    aux = rng.integers(0, 256, size=48, dtype=np.uint8)
+    prefill.aux.payload(slot)[:48] = aux
+    prefill.send(room, pages, tokens, slot, aux_bytes=48)
+    return expected, aux.tobytes()
+
+
+def test_engine_clients_move_torch_tensors(engines):
+    torch = pytest.importorskip("torch", reason="torch views need torch")
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    src_pages, dst_pages = np.array([3, 4, 5, 9]), np.array([100, 7, 8, 200])
+    # Write through the torch views the engine would use.
+    for i, t in enumerate(prefill.kv.tensors()):
+        assert t.dtype is torch.bfloat16 and t.shape == (256, 4, 32)
+        t[torch.from_numpy(src_pages)] = torch.full((4, 4, 32), float(i + 1), dtype=torch.bfloat16)
+    slot_d = decode.alloc_slot()
+    decode.expect(42, engines.prefill_daemon.bootstrap, dst_pages, slot_d)
+    slot_p = prefill.alloc_slot()
+    prefill.aux.payload(slot_p)[:5] = np.frombuffer(b"hello", np.uint8)
+    prefill.send(42, src_pages, 16, slot_p, aux_bytes=5)
+    assert decode.wait(42).state is RoomState.SUCCESS
+    assert prefill.wait(42).state is RoomState.SUCCESS
+    for i, t in enumerate(decode.kv.tensors()):
+        assert torch.all(t[torch.from_numpy(dst_pages)] == float(i + 1))
+        assert torch.all(t[0] == 0)  # pages not named stay untouched
+    assert bytes(decode.aux.payload(slot_d)[:5]) == b"hello"
+    decode.release(42)
+    prefill.release(42)
+
+
+def test_send_before_expect_and_expect_before_send(engines):
+    prefill = engines(engines.prefill_daemon, small_layout(Layout.PAGE_FIRST))
+    decode = engines(engines.decode_daemon, small_layout(Layout.PAGE_FIRST))
+    boot = engines.prefill_daemon.bootstrap
+    # prefill first
+    expected, aux = _fill_room(prefill, 1, np.array([10, 11]), 8, seed=1)
+    assert prefill.poll(1).state is RoomState.BOOTSTRAPPING
+    slot = decode.alloc_slot()
+    decode.expect(1, boot, np.array([20, 30]), slot)
+    assert decode.wait(1).state is RoomState.SUCCESS
+    assert np.array_equal(decode.kv.arrays()[0][[20, 30]], expected[0])
+    assert bytes(decode.aux.payload(slot)[:48]) == aux
+    # decode first
+    slot2 = decode.alloc_slot()
+    decode.expect(2, boot, np.array([40]), slot2)
+    status = decode.poll(2)
+    assert status.state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT)
+    expected, aux = _fill_room(prefill, 2, np.array([12]), 3, seed=2)
+    assert decode.wait(2).state is RoomState.SUCCESS
+    assert np.array_equal(decode.kv.arrays()[0][[40]], expected[0])
+    assert prefill.wait(1).state is RoomState.SUCCESS and prefill.wait(2).state is RoomState.SUCCESS
+
+
+def test_compat_mismatch_is_refused_naming_the_difference(engines):
+    prefill = engines(engines.prefill_daemon, small_layout(page_size=4))
+    decode = engines(engines.decode_daemon, small_layout(page_size=8))
+    slot = decode.alloc_slot()
+    decode.expect(5, engines.prefill_daemon.bootstrap, np.array([1]), slot)
+    status = decode.wait(5)
+    assert status.state is RoomState.FAILED and status.code == "compat_mismatch"
+    assert "page_size: ours=4 theirs=8" in status.reason
+    assert prefill.kv is not None  # the prefill side is unaffected and still serves
+
+
+def test_out_of_range_page_fails_only_its_room(engines):
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    slot = decode.alloc_slot()
+    with pytest.raises(errors.PageOutOfRange) as exc:
+        decode.expect(7, boot, np.array([1, 256]), slot)
+    assert "page index 256 at position 1" in str(exc.value) and "0..255" in str(exc.value)
+    with pytest.raises(errors.PageOutOfRange, match="page index -1"):
+        prefill.send(7, np.array([-1]), 4, prefill.alloc_slot())
+    # A good room on the same daemons still succeeds.
+    decode.expect(8, boot, np.array([1, 2]), slot)
+    _fill_room(prefill, 8, np.array([5, 6]), 8, seed=3)
+    assert decode.wait(8).state is RoomState.SUCCESS
+
+
+def test_too_small_destination_fails_at_bootstrap_with_clear_error(engines):
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    slot = decode.alloc_slot()
+    # 8 prompt tokens fit 2 pages of 4, but 3 draft tokens need a third page.
+    decode.expect(9, boot, np.array([1, 2]), slot, num_draft_tokens=3)
+    _fill_room(prefill, 9, np.array([5, 6]), 8, seed=4)
+    status = decode.wait(9)
+    assert status.state is RoomState.FAILED and status.code == "insufficient_capacity"
+    assert "8 prompt + 3 draft = 11" in status.reason
+    assert decode.kv.arrays()[0][[1, 2]].sum() == 0  # not a byte moved
+    assert prefill.wait(9).state is RoomState.FAILED
+    # With room for the drafts it succeeds.
+    decode.expect(10, boot, np.array([1, 2, 3]), decode.alloc_slot(), num_draft_tokens=3)
+    _fill_room(prefill, 10, np.array([5, 6]), 8, seed=5)
+    assert decode.wait(10).state is RoomState.SUCCESS
+
+
+def test_relocation_between_plan_and_use_fails_the_room_before_bytes_move(engines):
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    slot = decode.alloc_slot()
+    decode.expect(11, boot, np.array([1, 2]), slot)
+    assert decode.reregister_kv() == 2  # the engine relocated its pages
+    status = decode.wait(11)
+    assert status.state is RoomState.FAILED and status.code == "stale_memory_version"
+    assert "memory version 1 -> 2" in status.reason
+    with pytest.raises(errors.PdxferError) as exc:
+        _fill_room(prefill, 11, np.array([5, 6]), 8, seed=6)
+    assert "already failed" in str(exc.value)
+    assert decode.kv.arrays()[0][[1, 2]].sum() == 0
+    # Old page indices are refused outright; new ones work.
+    with pytest.raises(errors.StaleMemoryVersion):
+        decode.expect(12, boot, np.array([1]), decode.alloc_slot(), memory_version=1)
+    decode.expect(13, boot, np.array([1, 2]), decode.alloc_slot())
+    _fill_room(prefill, 13, np.array([5, 6]), 8, seed=7)
+    assert decode.wait(13).state is RoomState.SUCCESS
+
+
+def test_abort_on_either_side_fails_both_and_fences(engines):
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    slot = decode.alloc_slot()
+    decode.expect(20, boot, np.array([1]), slot)
+    decode.abort(20, "client went away")
+    status = decode.wait(20)
+    assert status.state is RoomState.FAILED and status.code == "aborted" and status.fenced
+    assert "client went away" in status.reason
+    # The prefill learnt it: its send() is refused with the reason.
+    with pytest.raises(errors.PdxferError, match="client went away"):
+        _fill_room(prefill, 20, np.array([5]), 4, seed=8)
+    decode.release(20)
+    # Prefill-side abort.
+    decode.expect(21, boot, np.array([2]), decode.alloc_slot())
+    prefill.abort(21, "prefill preempted")
+    dstat = decode.wait(21)
+    assert dstat.state is RoomState.FAILED and "prefill preempted" in dstat.reason and dstat.fenced
