@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,11 +22,12 @@ class ProgressBar:
         self.total = total
         self.stream = stream
         self.tty = stream.isatty()
-        self.started = time.monotonic()
+        self.started = 0.0  # at the first room, so engine start-up does not count
         self.last = 0.0
 
     def update(self, done: int, nbytes: int, mismatches: int) -> None:
         now = time.monotonic()
+        self.started = self.started or now
         if not self.tty and now - self.last < 2.0 and done < self.total:
             return
         self.last = now
@@ -66,6 +68,15 @@ def format_summary(args: argparse.Namespace, decode: dict, prefill: dict) -> str
     return "\n".join(lines)
 
 
+def _show_logs(runtime: str, lines: int = 20) -> None:
+    for role in ("prefill", "decode"):
+        path = os.path.join(runtime, f"{role}.log")
+        if os.path.exists(path):
+            with open(path) as fh:
+                tail = fh.readlines()[-lines:]
+            print(f"--- last lines of the {role} daemon's log ---\n{''.join(tail)}", file=sys.stderr)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     runtime = tempfile.mkdtemp(prefix="pdxfer-demo-")
     daemons: list[DaemonProcess] = []
@@ -73,9 +84,10 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         flags = ["--aux-path", args.aux_path, "--log-level", "warning"]
         print(f"starting prefill and decode daemons (runtime dir {runtime}) ...", file=sys.stderr)
-        prefill = start_daemon("prefill", runtime, *flags)
+        logs = {role: open(os.path.join(runtime, f"{role}.log"), "w") for role in ("prefill", "decode")}
+        prefill = start_daemon("prefill", runtime, *flags, stderr=logs["prefill"])
         daemons.append(prefill)
-        decode = start_daemon("decode", runtime, *flags)
+        decode = start_daemon("decode", runtime, *flags, stderr=logs["decode"])
         daemons.append(decode)
         print(
             f"prefill daemon pid {prefill.pid}: bootstrap {prefill.bootstrap}, transfer session {prefill.ready['session']}\n"
@@ -96,17 +108,19 @@ def run_demo(args: argparse.Namespace) -> int:
         bar.finish()
     except LaunchError as exc:
         print(f"pdxfer demo: {exc}", file=sys.stderr)
-        return 1
+        summaries = {}
     finally:
         for proc in sims.values():
             if proc.poll() is None:
                 proc.kill()
         for daemon in daemons:
             daemon.stop()
-        shutil.rmtree(runtime, ignore_errors=True)
     if "decode" not in summaries or "prefill" not in summaries:
-        print("pdxfer demo: a simulated engine exited without a summary (see its errors above)", file=sys.stderr)
+        print("pdxfer demo: a simulated engine exited without a summary (its errors are above)", file=sys.stderr)
+        _show_logs(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
         return 1
+    shutil.rmtree(runtime, ignore_errors=True)
     dec, pre = summaries["decode"], summaries["prefill"]
     if args.json:
         print(json.dumps({"decode": dec, "prefill": pre}))

@@ -22,6 +22,8 @@ from .paths import device_kind
 from .protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
 
 SHM_DIR = "/dev/shm"
+# Fault the pages in at map time rather than inside the first transfers.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SharedMemory:
@@ -37,11 +39,12 @@ class SharedMemory:
 
     @classmethod
     def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
+        sweep_orphans(prefix)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
+            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=True)
@@ -57,7 +60,7 @@ class SharedMemory:
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise BadMessage(f"shared memory {name!r} has {actual} bytes, but {size} were declared")
-            mapping = mmap.mmap(fd, size)
+            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=False)
@@ -79,6 +82,29 @@ class SharedMemory:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+
+
+def sweep_orphans(prefix: str) -> list[str]:
+    """Unlink pools named ``PREFIX-PID-*`` whose creating process is gone (an engine
+    killed before it could clean up). A daemon that still maps one keeps its
+    mapping; only the name goes."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        head, _, rest = name.partition(prefix + "-")
+        pid = rest.split("-", 1)[0]
+        if head or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed
 
 
 def _load(library: str, hint: str) -> ctypes.CDLL:
