@@ -66,6 +66,7 @@ class TransferPump:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._peers: dict[str, _Peer] = {}
+        self._finished: list[Job] = []  # settled this round, to hand to the event loop
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pdxfer-pump", daemon=True)
@@ -95,6 +96,7 @@ class TransferPump:
                 log.exception("transfer pump round failed; failing its in-flight jobs")
                 self._fail_everything("transfer pump error (see daemon log)")
                 progressed = True
+            self._flush()
             busy = any(p.in_flight or p.jobs for p in self._peers.values())
             if progressed:
                 pause = 0.0
@@ -106,7 +108,6 @@ class TransferPump:
                 self._wake.clear()
 
     def _round(self) -> bool:
-        finished: list[Job] = []
         progressed = False
         while self._inbox:
             job = self._inbox.popleft()
@@ -114,13 +115,16 @@ class TransferPump:
             job.queued = True
             progressed = True
         for peer_name, peer in self._peers.items():
-            progressed |= self._fill(peer_name, peer, finished)
-            progressed |= self._drain(peer, finished)
-        if finished:
-            self.loop.call_soon_threadsafe(_deliver, finished)
+            progressed |= self._fill(peer_name, peer)
+            progressed |= self._drain(peer)
         return progressed
 
-    def _fill(self, peer_name: str, peer: _Peer, finished: list[Job]) -> bool:
+    def _flush(self) -> None:
+        if self._finished:
+            self.loop.call_soon_threadsafe(_deliver, self._finished)
+            self._finished = []
+
+    def _fill(self, peer_name: str, peer: _Peer) -> bool:
         progressed = False
         while peer.jobs and len(peer.in_flight) < self.window:
             job = peer.jobs[0]
@@ -128,7 +132,7 @@ class TransferPump:
                 peer.jobs.popleft()
                 job.queued = False
                 if job._finished():
-                    finished.append(job)
+                    self._finished.append(job)
                 continue
             start = job.next
             end = min(len(job.blocks), start + self.window - len(peer.in_flight))
@@ -147,7 +151,7 @@ class TransferPump:
             progressed = True
         return progressed
 
-    def _drain(self, peer: _Peer, finished: list[Job]) -> bool:
+    def _drain(self, peer: _Peer) -> bool:
         progressed = False
         while peer.in_flight:
             handle, job, nbytes = peer.in_flight[0]
@@ -162,22 +166,19 @@ class TransferPump:
             else:
                 self.bytes_done += nbytes
             if job._finished() and not job.queued:
-                finished.append(job)
+                self._finished.append(job)
         return progressed
 
     def _fail_everything(self, reason: str) -> None:
-        finished = []
         for peer in self._peers.values():
             jobs = {id(j): j for j in peer.jobs}
             jobs.update({id(j): j for _, j, _ in peer.in_flight})
             for job in jobs.values():
                 job.error = job.error or reason
                 job.abandoned = True
-                finished.append(job)
+                self._finished.append(job)
             peer.jobs.clear()
             peer.in_flight.clear()
-        if finished:
-            self.loop.call_soon_threadsafe(_deliver, finished)
 
 
 def _deliver(jobs: list[Job]) -> None:

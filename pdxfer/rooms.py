@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from .errors import Busy, DuplicateRoom, IllegalTransition, UnknownRoom
@@ -96,6 +97,7 @@ class Room:
     bytes_planned: int = 0
     bytes_moved: int = 0
     history: list[tuple[RoomState, float]] = field(default_factory=list)
+    ticket: int = 0  # identifies the room's current deadline entry
 
     @property
     def finished(self) -> bool:
@@ -109,7 +111,11 @@ class RoomTable:
         self.capacity = capacity
         self.timeouts = timeouts
         self._rooms: dict[int, Room] = {}
-        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, room, history length)
+        # (deadline, ticket, room id); an entry counts only while it holds its room's
+        # current ticket, so stale entries (older states, removed rooms, a later room
+        # reusing the id) are skipped.
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._tickets = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._rooms)
@@ -128,8 +134,12 @@ class RoomTable:
         room = Room(room_id, role, B, created=now, entered=now, deadline=now + self.timeouts.bootstrap)
         room.history.append((B, now))
         self._rooms[room_id] = room
-        heapq.heappush(self._deadlines, (room.deadline, room_id, 1))
+        self._schedule(room)
         return room
+
+    def _schedule(self, room: Room) -> None:
+        room.ticket = next(self._tickets)
+        heapq.heappush(self._deadlines, (room.deadline, room.ticket, room.id))
 
     def get(self, room_id: int) -> Room:
         try:
@@ -164,7 +174,7 @@ class RoomTable:
         room.entered = now
         room.deadline = now + self.timeouts.for_state(target)
         room.history.append((target, now))
-        heapq.heappush(self._deadlines, (room.deadline, room.id, len(room.history)))
+        self._schedule(room)
         return True
 
     def remove(self, room_id: int) -> Room | None:
@@ -172,7 +182,7 @@ class RoomTable:
         # Entries of removed rooms stay in the heap until their deadline; rebuild it
         # when they dominate, so a fast stream of short rooms cannot grow it.
         if len(self._deadlines) > 4 * len(self._rooms) + 1024:
-            self._deadlines = [(r.deadline, r.id, len(r.history)) for r in self._rooms.values()]
+            self._deadlines = [(r.deadline, r.ticket, r.id) for r in self._rooms.values()]
             heapq.heapify(self._deadlines)
         return room
 
@@ -182,9 +192,9 @@ class RoomTable:
         out = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            _, room_id, version = heapq.heappop(heap)
+            _, ticket, room_id = heapq.heappop(heap)
             room = self._rooms.get(room_id)
-            if room is not None and len(room.history) == version:
+            if room is not None and room.ticket == ticket:
                 out.append(room)
         return out
 

@@ -1,0 +1,94 @@
+"""The daemon process and the `pdxfer` command as a user meets them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from pdxfer import config, errors
+from pdxfer.client import Client
+from pdxfer.launch import LaunchError, start_daemon
+from pdxfer.protocol import CudaIpcHandle, Error, RegisterKV, RoomState
+
+from .conftest import needs_mooncake, small_layout
+
+
+def pdxfer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdxfer", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_help_explains_every_option_and_its_environment_variable():
+    out = pdxfer("serve", "--help").stdout
+    for name, _, desc in config.fields():
+        flag = "--" + name.replace("_", "-")
+        assert flag in out, flag
+        assert f"PDXFER_{name.upper()}" in out.replace("\n", " ").replace(" ", ""), name
+        assert desc.split()[0] in out
+
+
+def test_serve_without_a_role_or_with_a_bad_value_says_what_is_wrong():
+    missing = pdxfer("serve")
+    assert missing.returncode == 2 and "role" in missing.stderr
+    bad = pdxfer("serve", "--role", "decode", "--max-rooms", "many")
+    assert bad.returncode == 2 and "max_rooms" in bad.stderr
+
+
+@needs_mooncake
+def test_daemon_without_the_device_it_was_asked_for_exits_saying_what_is_missing(runtime_dir, tmp_path):
+    log = tmp_path / "cuda.log"
+    with open(log, "w") as fh, pytest.raises(LaunchError, match="exited with code 1"):
+        start_daemon("decode", runtime_dir, "--device", "cuda:0", stderr=fh, timeout=20)
+    text = log.read_text()
+    assert "cannot start" in text and "cuda" in text.lower()
+    # D1: the device is bound before the transport starts, so no engine came up.
+    assert "Transfer Engine" not in text
+
+
+@needs_mooncake
+def test_gpu_pool_on_a_cpu_daemon_is_refused_with_what_it_needs(pair):
+    _, decode = pair
+    client = Client(decode.engine, timeout=10)
+    client.connect()
+    try:
+        handle = CudaIpcHandle(handle=b"\0" * 64, size=1 << 20, device=0)
+        with pytest.raises(errors.Unsupported, match="--device cuda:N"):
+            client._call(RegisterKV(req=99, memory=handle, layout=small_layout(), memory_version=1))
+    finally:
+        client.close()
+
+
+@needs_mooncake
+def test_garbage_from_an_engine_gets_an_error_and_the_daemon_keeps_serving(engines):
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(engines.decode_daemon.engine)
+    try:
+        for junk in (b"", b"\xc1", b"\x81\xa4kind\xa5nope!", msgspec.msgpack.encode({"kind": "poll", "req": 1, "room": 0})):
+            raw.send(junk)
+            assert raw.poll(5000), "no reply to a malformed message"
+            reply = msgspec.msgpack.decode(raw.recv(), type=Error)
+            assert reply.code.value == "bad_message" and reply.message
+    finally:
+        raw.close(0)
+    # Nothing changed and real rooms still work.
+    slot = decode.alloc_slot()
+    decode.expect(3, engines.prefill_daemon.bootstrap, np.array([1]), slot)
+    s = prefill.alloc_slot()
+    prefill.send(3, np.array([2]), 4, s, aux_bytes=0)
+    assert decode.wait(3).state is RoomState.SUCCESS
+
+
+@needs_mooncake
+def test_demo_command_runs_and_reports(tmp_path):
+    result = pdxfer("demo", "--rooms", "24", "--in-flight", "8", "--layers", "2", "--pages", "256", "--max-tokens", "64", timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rooms succeeded     24 / 24" in result.stdout
+    assert "0 mismatches" in result.stdout
+    assert "p50" in result.stdout and "GB/s" in result.stdout
