@@ -67,15 +67,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     @property
     def socket_dir(self) -> str:
-        return self.runtime_dir or default_runtime_dir()
+        return self.runtime_dir or default_runtime_dir(os.environ)
 
     @property
     def engine_address(self) -> str:
         return self.engine_endpoint or f"ipc://{self.socket_dir}/{self.instance}.engine.sock"
 
 
-def default_runtime_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR")
+def default_runtime_dir(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_RUNTIME_DIR")
     return os.path.join(base, "pdxfer") if base else f"/tmp/pdxfer-{os.getuid()}"
 
 
@@ -103,13 +103,17 @@ def load(
         with open(path, "rb") as fh:
             values.update(tomllib.load(fh))
     names = {name for name, _, _ in fields()}
-    for name in names:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            values[name] = raw
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in names:
+            raise ValueError(f"unknown environment variable {key} (options: {', '.join(sorted(names))})")
+        values[name] = raw
     for name, value in (flags or {}).items():
         if value is not None and name in names:
             values[name] = value
+    values.setdefault("runtime_dir", default_runtime_dir(env))
     try:
         return msgspec.convert(values, Config, strict=False)
     except msgspec.ValidationError as exc:

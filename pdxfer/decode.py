@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from . import errors
-from .errors import PdxferError
+from .errors import IllegalTransition, PdxferError
 from .plan import check_pages, pages_from_bytes
 from .pools import compat
 from .protocol import (
@@ -155,6 +155,9 @@ class DecodeService(RoomService):
             return
         try:
             self._dispatch_link(link, msg)
+        except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)
+            log.warning("prefill %s sent %s out of order: %s", endpoint, type(msg).__name__, exc)
+            self.send_link(endpoint, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"{type(msg).__name__} out of order: {exc.message}", room=getattr(msg, "room", 0)))
         except PdxferError as exc:
             log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc)
             self.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))

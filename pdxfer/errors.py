@@ -28,8 +28,7 @@ class PdxferError(Exception):
             self.code = code
 
     def __str__(self) -> str:
-        prefix = f"room {self.room}: " if self.room else ""
-        return f"{prefix}{self.message}"
+        return self.message
 
 
 class BadMessage(PdxferError):

@@ -168,6 +168,8 @@ def plan_blocks(
 
     ``src_bases``/``dst_bases`` are the addresses of each region on either side;
     only the first ``len(src_pages)`` destination pages are written."""
+    if dst_pages.size < src_pages.size:
+        raise InsufficientCapacity(f"{src_pages.size} source pages but only {dst_pages.size} destination pages")
     runs = coalesce(src_pages, dst_pages[: src_pages.size])
     page_bytes = np.array([r.page_bytes for r in regions], dtype=np.uint64)[:, None]
     src_base = np.asarray(src_bases, dtype=np.uint64)[:, None]

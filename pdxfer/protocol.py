@@ -279,7 +279,7 @@ class RoomStatus(Message, tag="room_status"):
     req: ReqId
     room: RoomId
     state: RoomState
-    code: str = ""
+    code: ErrorCode | None = None
     reason: str = ""
     fenced: bool = False
 

@@ -67,6 +67,7 @@ class TransferPump:
         self._thread: threading.Thread | None = None
         self._peers: dict[str, _Peer] = {}
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
+        self._cancels = False  # a job was cancelled since the last round
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pdxfer-pump", daemon=True)
@@ -79,6 +80,7 @@ class TransferPump:
     def cancel(self, job: Job) -> None:
         """Submit no more of ``job``; its callback still waits for what is in flight."""
         job.cancelled = True
+        self._cancels = True
         self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -114,10 +116,29 @@ class TransferPump:
             self._peers.setdefault(job.peer, _Peer()).jobs.append(job)
             job.queued = True
             progressed = True
+        if self._cancels:
+            self._cancels = False
+            progressed |= self._drop_cancelled()
         for peer_name, peer in self._peers.items():
             progressed |= self._fill(peer_name, peer)
             progressed |= self._drain(peer)
         return progressed
+
+    def _drop_cancelled(self) -> bool:
+        """Take cancelled jobs out of their queues now, not when they reach the front."""
+        dropped = False
+        for peer in self._peers.values():
+            keep = deque()
+            for job in peer.jobs:
+                if job.cancelled:
+                    job.queued = False
+                    dropped = True
+                    if job._finished():
+                        self._finished.append(job)
+                else:
+                    keep.append(job)
+            peer.jobs = keep
+        return dropped
 
     def _flush(self) -> None:
         if self._finished:

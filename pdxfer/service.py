@@ -216,7 +216,7 @@ class RoomService:
 
     def status(self, room: Room, req: int = 0) -> RoomStatus:
         return RoomStatus(
-            req=req, room=room.id, state=room.state, code=room.code.value if room.code else "", reason=room.reason, fenced=room.fenced
+            req=req, room=room.id, state=room.state, code=room.code, reason=room.reason, fenced=room.fenced
         )
 
     def push(self, room: Room, engine: bytes) -> None:

@@ -146,7 +146,7 @@ async def run_prefill(args) -> dict:
             client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(spec.room, spec.tokens), np.uint8)
             await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES)
             status = await client.wait(spec.room, timeout=args.room_timeout)
-            key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code}"
+            key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
             await client.release(spec.room)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"
@@ -217,9 +217,9 @@ async def run_decode(args) -> dict:
                 moved += n_src * region_bytes + AUX_RECORD_BYTES
                 key = "success"
             else:
-                key = f"failed:{status.code}"
+                key = f"failed:{status.code.value}"
                 if not fault:
-                    print(f"room {spec.room}: failed [{status.code}] {status.reason}", file=sys.stderr)
+                    print(f"room {spec.room}: failed [{status.code.value}] {status.reason}", file=sys.stderr)
             await client.release(spec.room)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"

@@ -36,6 +36,8 @@ def pack_header(stamp: Stamp) -> bytes:
 
 def unpack_header(raw) -> Stamp | None:
     """The stamp in a slot header, or None if the header holds no record."""
+    if len(raw) < HEADER_BYTES:
+        return None
     magic, length, room, generation, checksum, _ = HEADER.unpack_from(raw)
     if magic != MAGIC:
         return None

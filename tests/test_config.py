@@ -1,0 +1,149 @@
+"""Configuration: one frozen object; defaults < TOML file < PDXFER_ env < flags. The
+environment is always passed in explicitly so the host's variables cannot leak in."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+
+from pdxfer import config
+from pdxfer.protocol import Role
+
+
+def write_toml(tmp_path, text: str) -> str:
+    path = tmp_path / "pdxfer.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults():
+    cfg = config.load(flags={"role": "prefill"}, env={})
+    assert cfg.role is Role.PREFILL
+    assert (cfg.bootstrap_port, cfg.protocol, cfg.device, cfg.aux_path) == (8998, "tcp", "cpu", "auto")
+    assert (cfg.max_rooms, cfg.peer_window, cfg.fence_timeout) == (4096, 512, 10.0)
+
+
+def test_precedence_defaults_file_env_flags(tmp_path):
+    path = write_toml(
+        tmp_path,
+        'role = "decode"\nbootstrap_port = 9000\nmax_rooms = 10\npeer_window = 7\nhost = "10.0.0.5"\n',
+    )
+    env = {"PDXFER_MAX_ROOMS": "20", "PDXFER_PEER_WINDOW": "8"}
+    flags = {"peer_window": 9, "host": None}  # None: flag not given
+    cfg = config.load(flags=flags, env=env, file=path)
+    assert cfg.role is Role.DECODE  # file over default
+    assert cfg.bootstrap_port == 9000  # file over default
+    assert cfg.max_rooms == 20  # env over file
+    assert cfg.peer_window == 9  # flag over env over file
+    assert cfg.host == "10.0.0.5"  # a flag left unset does not hide the file
+    assert cfg.transfer_timeout == 30.0  # untouched default
+
+
+def test_config_file_named_by_the_environment(tmp_path):
+    path = write_toml(tmp_path, 'role = "prefill"\nprotocol = "rdma"\n')
+    cfg = config.load(env={"PDXFER_CONFIG": path})
+    assert cfg.protocol == "rdma"
+    # An explicit --config wins over PDXFER_CONFIG.
+    other = tmp_path / "other.toml"
+    other.write_text('role = "prefill"\nprotocol = "hixl"\n')
+    assert config.load(env={"PDXFER_CONFIG": path}, file=str(other)).protocol == "hixl"
+
+
+def test_env_strings_are_converted():
+    env = {
+        "PDXFER_ROLE": "decode",
+        "PDXFER_BOOTSTRAP_PORT": "0",
+        "PDXFER_WAITING_TIMEOUT": "2.5",
+        "PDXFER_DEVICE": "npu:3",
+    }
+    cfg = config.load(env=env)
+    assert (cfg.role, cfg.bootstrap_port, cfg.waiting_timeout, cfg.device) == (Role.DECODE, 0, 2.5, "npu:3")
+
+
+def test_env_without_prefix_is_ignored():
+    with pytest.raises(ValueError, match="role"):
+        config.load(env={"ROLE": "prefill", "pdxfer_role": "prefill"})
+
+
+def test_config_is_frozen():
+    cfg = config.load(flags={"role": "prefill"}, env={})
+    with pytest.raises(AttributeError):
+        cfg.max_rooms = 1
+
+
+@pytest.mark.parametrize(
+    ("source", "field", "value"),
+    [
+        ("env", "max_rooms", "0"),
+        ("env", "bootstrap_port", "70000"),
+        ("env", "peer_window", "many"),
+        ("flags", "device", "gpu0"),
+        ("flags", "protocol", "udp"),
+        ("flags", "aux_path", "carrier_pigeon"),
+        ("flags", "transfer_timeout", 0),
+        ("flags", "fence_timeout", -1.0),
+        ("flags", "max_message_bytes", 100),
+        ("file", "log_level", '"loud"'),
+        ("file", "role", '"router"'),
+    ],
+)
+def test_invalid_values_name_the_field(tmp_path, source, field, value):
+    flags: dict = {"role": "prefill"} if field != "role" else {}
+    env: dict = {}
+    file = None
+    if source == "env":
+        env[f"PDXFER_{field.upper()}"] = value
+    elif source == "flags":
+        flags[field] = value
+    else:
+        file = write_toml(tmp_path, f"{field} = {value}\n")
+    with pytest.raises(ValueError) as info:
+        config.load(flags=flags, env=env, file=file)
+    assert field in str(info.value)
+    assert not isinstance(info.value, msgspec.ValidationError)  # callers catch ValueError only
+
+
+def test_unknown_key_in_file_is_refused(tmp_path):
+    path = write_toml(tmp_path, 'role = "prefill"\nbootstrap_prot = 1\n')
+    with pytest.raises(ValueError, match="bootstrap_prot"):
+        config.load(env={}, file=path)
+
+
+def test_missing_role_is_refused():
+    with pytest.raises(ValueError, match="role"):
+        config.load(env={})
+
+
+def test_every_field_is_documented():
+    fields = config.fields()
+    assert [name for name, _, _ in fields] == list(config.Config.__struct_fields__)
+    for name, _default, description in fields:
+        assert description.strip(), f"config field {name} has no description (it is its --help text)"
+    defaults = {name: default for name, default, _ in fields}
+    assert defaults["role"] is msgspec.NODEFAULT
+    assert defaults["bootstrap_port"] == 8998
+
+
+def test_engine_address_uses_runtime_dir_and_instance_name():
+    cfg = config.Config(role=Role.PREFILL, runtime_dir="/run/x")
+    assert cfg.instance == "prefill"
+    assert cfg.engine_address == "ipc:///run/x/prefill.engine.sock"
+    named = config.Config(role=Role.DECODE, runtime_dir="/run/x", name="d7")
+    assert named.engine_address == "ipc:///run/x/d7.engine.sock"
+    explicit = config.Config(role=Role.DECODE, engine_endpoint="tcp://127.0.0.1:5555")
+    assert explicit.engine_address == "tcp://127.0.0.1:5555"
+
+
+def test_default_runtime_dir_is_resolved_once_from_the_given_environment():
+    cfg = config.load({"role": "decode"}, env={"XDG_RUNTIME_DIR": "/run/user/1000"})
+    assert cfg.runtime_dir == "/run/user/1000/pdxfer"
+    assert cfg.engine_address == "ipc:///run/user/1000/pdxfer/decode.engine.sock"
+    bare = config.load({"role": "decode"}, env={})
+    assert bare.engine_address == f"ipc:///tmp/pdxfer-{os.getuid()}/decode.engine.sock"
+
+
+def test_misspelt_environment_variable_is_refused():
+    with pytest.raises(ValueError, match="PDXFER_PEER_WINDOWS"):
+        config.load({"role": "decode"}, env={"PDXFER_PEER_WINDOWS": "8"})

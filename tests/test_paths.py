@@ -1,0 +1,111 @@
+"""Path decisions (A2, D1) checked directly: the GPU, NVLink and Ascend paths cannot
+run on a CPU-only host, so these pure functions are where they are tested."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from pdxfer import errors
+from pdxfer.config import AuxPathChoice, Protocol
+from pdxfer.paths import ENGINE_PROTOCOL, POOL_KINDS, AuxPath, check_pool, choose_aux_path, startup_steps
+
+PROTOCOLS = typing.get_args(Protocol)
+
+
+def test_every_configurable_protocol_is_known():
+    assert set(ENGINE_PROTOCOL) == set(PROTOCOLS) == set(POOL_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "expected"),
+    [
+        ("tcp", AuxPath.TCP),
+        # NVLink completions do not prove the aux bytes are visible (F3): TCP by default.
+        ("nvlink", AuxPath.TCP),
+        ("intranode_nvlink", AuxPath.TCP),
+        ("rdma", AuxPath.TRANSFER_ENGINE),
+        ("ascend", AuxPath.TRANSFER_ENGINE),
+        ("hixl", AuxPath.TRANSFER_ENGINE),
+    ],
+)
+def test_auto_aux_path_follows_the_protocol(protocol, expected):
+    assert choose_aux_path(protocol, "auto") is expected
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("choice", ["tcp", "transfer_engine"])
+def test_explicit_aux_path_wins(protocol, choice):
+    assert choose_aux_path(protocol, choice) is AuxPath(choice)
+
+
+def test_aux_choices_match_the_config():
+    assert set(typing.get_args(AuxPathChoice)) == {"auto"} | {a.value for a in AuxPath}
+
+
+@pytest.mark.parametrize(
+    ("protocol", "device", "pool"),
+    [
+        ("tcp", "cpu", "shm"),
+        ("tcp", "cuda:0", "cuda_ipc"),
+        ("rdma", "cpu", "shm"),
+        ("rdma", "cuda:1", "cuda_ipc"),
+        ("nvlink", "cuda:0", "cuda_ipc"),
+        ("intranode_nvlink", "cuda:7", "cuda_ipc"),
+        ("ascend", "npu:0", "npu_ipc"),
+        ("hixl", "npu:2", "npu_ipc"),
+        ("tcp", "cuda:0", "shm"),  # a CPU pool needs no particular device
+    ],
+)
+def test_check_pool_accepts(protocol, device, pool):
+    check_pool(protocol, device, pool)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "device", "pool", "needed"),
+    [
+        ("nvlink", "cuda:0", "shm", "it moves: cuda_ipc"),
+        ("intranode_nvlink", "cuda:0", "shm", "it moves: cuda_ipc"),
+        ("nvlink", "npu:0", "npu_ipc", "it moves: cuda_ipc"),
+        ("ascend", "npu:0", "shm", "it moves: npu_ipc"),
+        ("hixl", "cpu", "cuda_ipc", "it moves: npu_ipc"),
+        ("tcp", "cpu", "npu_ipc", "it moves: shm, cuda_ipc"),
+        ("ascend", "cpu", "npu_ipc", "--device npu:N"),
+        ("ascend", "cuda:0", "npu_ipc", "--device npu:N"),
+        ("tcp", "cpu", "cuda_ipc", "--device cuda:N"),
+        ("nvlink", "npu:1", "cuda_ipc", "--device cuda:N"),
+    ],
+)
+def test_check_pool_refuses_saying_what_is_needed(protocol, device, pool, needed):
+    with pytest.raises(errors.Unsupported) as info:
+        check_pool(protocol, device, pool)
+    message = str(info.value)
+    assert needed in message
+    assert pool in message
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:3", "npu:0", "npu:15"])
+def test_device_is_bound_before_any_transport(device):
+    steps = startup_steps(device)
+    assert steps[0] == "bind_device"  # D1 (F6: aclrtGetDevice failed)
+    assert steps.index("bind_device") < steps.index("init_transport")
+
+
+def test_cpu_binds_no_device():
+    assert "bind_device" not in startup_steps("cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0", "npu:0"])
+def test_engine_endpoint_opens_after_the_transport(device):
+    steps = startup_steps(device)
+    assert steps.index("init_transport") < steps.index("open_engine_endpoint")
+    assert steps[-1] == "open_engine_endpoint"
+    assert len(steps) == len(set(steps))
+
+
+def test_engine_protocol_names():
+    assert ENGINE_PROTOCOL["intranode_nvlink"] == "nvlink_intra"
+    assert ENGINE_PROTOCOL["hixl"] == "ascend"
+    for same in ("tcp", "rdma", "nvlink", "ascend"):
+        assert ENGINE_PROTOCOL[same] == same

@@ -1,0 +1,226 @@
+"""The wire protocol: every message round-trips through the Codec for its union, bad
+input is rejected by the typed decoders, the committed JSON Schema matches the
+structs, and compatibility hashing notices every field."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import typing
+
+import msgspec
+import pytest
+
+from pdxfer import protocol as p
+
+SCHEMA_PATH = pathlib.Path(__file__).resolve().parent.parent / "proto" / "schema.json"
+
+COMPAT = p.Compat(
+    version=p.PROTOCOL_VERSION,
+    layout=p.Layout.MHA,
+    page_size=16,
+    dtype="bf16",
+    num_layers=2,
+    region_page_bytes=(128, 128, 128, 128),
+    aux_slot_bytes=4096,
+)
+LAYOUT = p.KVLayout(layout=p.Layout.PAGE_FIRST, num_layers=4, num_pages=100, page_size=16, token_bytes=256, dtype="fp8")
+PAGES = (1).to_bytes(4, "little") + (2).to_bytes(4, "little")
+BIG = 2**64 - 1  # largest room id / address msgpack carries
+
+# One populated instance of every message, non-default values wherever possible so
+# that a field dropped or renamed on the wire is noticed.
+SAMPLES: dict[type, list[p.Message]] = {
+    p.EngineHello: [p.EngineHello(req=1, version=p.PROTOCOL_VERSION, engine="sglang 0.5")],
+    p.RegisterKV: [
+        p.RegisterKV(req=2, memory=p.ShmHandle(name="pdxfer-kv.0", size=1 << 20), layout=LAYOUT, memory_version=3),
+        p.RegisterKV(req=2, memory=p.CudaIpcHandle(handle=b"\x01" * 64, size=1 << 30, device=3), layout=LAYOUT, memory_version=1),
+        p.RegisterKV(req=2, memory=p.NpuIpcHandle(handle=b"\x02" * 65, size=4096, device=0), layout=LAYOUT, memory_version=1),
+    ],
+    p.RegisterAux: [p.RegisterAux(req=3, memory=p.ShmHandle(name="aux", size=65536), num_slots=8, slot_bytes=8192)],
+    p.AllocSlot: [p.AllocSlot(req=4)],
+    p.FreeSlot: [p.FreeSlot(req=5, slot=7, generation=9)],
+    p.Send: [
+        p.Send(req=6, room=BIG, pages=PAGES, num_tokens=20, slot=1, generation=2, aux_bytes=100, memory_version=4)
+    ],
+    p.Expect: [
+        p.Expect(
+            req=7, room=11, bootstrap="tcp://10.0.0.1:8998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4
+        )
+    ],
+    p.Poll: [p.Poll(req=8, room=12)],
+    p.Abort: [p.Abort(req=9, room=13, reason="client went away")],
+    p.Release: [p.Release(req=10, room=14)],
+    p.Welcome: [p.Welcome(req=1, version=1, role=p.Role.DECODE, incarnation="abc", bootstrap="")],
+    p.Ok: [p.Ok(req=2)],
+    p.SlotGrant: [p.SlotGrant(req=3, slot=4, generation=5, payload_bytes=4064)],
+    p.RoomStatus: [
+        p.RoomStatus(req=0, room=15, state=p.RoomState.FAILED, code="timeout", reason="slow peer", fenced=True),
+        p.RoomStatus(req=4, room=15, state=p.RoomState.TRANSFERRING),
+    ],
+    p.Error: [p.Error(req=5, code=p.ErrorCode.PAGE_OUT_OF_RANGE, message="page 9 of 0..7", room=16)],
+    p.Busy: [p.Busy(req=6, reason="room table full", retry_after_ms=50)],
+    p.PeerHello: [
+        p.PeerHello(
+            version=1,
+            incarnation="inc-1",
+            session="10.0.0.2:12345",
+            compat=COMPAT,
+            compat_hash=p.compat_hash(COMPAT),
+            region_bases=(0x7F00_0000_0000, BIG),
+            num_pages=1000,
+            aux_base=0x7E00_0000_0000,
+            aux_slots=64,
+            memory_version=2,
+        )
+    ],
+    p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1")],
+    p.PeerRefused: [p.PeerRefused(code=p.ErrorCode.COMPAT_MISMATCH, reason="page_size: ours=16 theirs=32")],
+    p.RoomRequest: [p.RoomRequest(room=17, pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2)],
+    p.RoomAccepted: [p.RoomAccepted(room=18, input_ready=True)],
+    p.TransferStarted: [p.TransferStarted(room=19)],
+    p.AuxRecord: [
+        p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=2**32 - 1, payload=b"abc"),
+        p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=0, via_transfer_engine=True),
+    ],
+    p.RoomAck: [p.RoomAck(room=21)],
+    p.RoomFailed: [p.RoomFailed(room=22, code=p.ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False)],
+    p.PeerError: [p.PeerError(code=p.ErrorCode.UNKNOWN_ROOM, message="no room 23", room=23)],
+}
+
+UNIONS = {
+    "engine_requests": p.EngineRequest,
+    "engine_replies": p.EngineReply,
+    "peer_messages": p.PeerMessage,
+}
+HANDLES = set(typing.get_args(p.MemoryHandle))
+
+
+def union_of(cls: type) -> str:
+    (name,) = [n for n, u in UNIONS.items() if cls in typing.get_args(u)]
+    return name
+
+
+def all_subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from all_subclasses(sub)
+
+
+@pytest.fixture(scope="module")
+def codec() -> p.Codec:
+    return p.Codec()
+
+
+def test_samples_cover_every_message_kind():
+    # Every Message is in exactly one union (or is a memory handle nested in one),
+    # and this file has a sample of each: a new message cannot skip these tests.
+    messages = set(all_subclasses(p.Message)) - HANDLES
+    assert set(SAMPLES) == messages
+    for cls in messages:
+        union_of(cls)  # exactly one
+    tags = [p.tag_of(s[0]) for s in SAMPLES.values()]
+    assert len(tags) == len(set(tags))
+
+
+@pytest.mark.parametrize(
+    "message", [m for ms in SAMPLES.values() for m in ms], ids=lambda m: f"{p.tag_of(m)}"
+)
+def test_round_trip(codec, message):
+    raw = codec.encode(message)
+    assert msgspec.msgpack.decode(raw)["kind"] == p.tag_of(message)
+    decoder = getattr(codec, union_of(type(message)))
+    decoded = decoder.decode(raw)
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_a_message_from_another_conversation_is_rejected(codec):
+    with pytest.raises(msgspec.ValidationError):
+        codec.peer_messages.decode(codec.encode(p.Poll(req=1, room=2)))
+    with pytest.raises(msgspec.ValidationError):
+        codec.engine_requests.decode(codec.encode(p.RoomAck(room=2)))
+
+
+def raw(**fields) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+@pytest.mark.parametrize(
+    ("decoder", "data", "where"),
+    [
+        ("engine_requests", raw(kind="no_such_kind", req=1), "kind"),
+        ("engine_requests", raw(req=1, room=2), "kind"),  # no kind at all
+        ("engine_requests", raw(kind="poll", req="1", room=2), "req"),  # wrong type
+        ("engine_requests", raw(kind="poll", req=1, room="2"), "room"),
+        ("engine_requests", raw(kind="poll", req=1, room=0), "room"),  # room 0 is never valid (F3)
+        ("engine_requests", raw(kind="poll", req=1, room=-5), "room"),
+        ("engine_requests", raw(kind="poll", req=-1, room=2), "req"),
+        ("engine_requests", raw(kind="free_slot", req=1, slot=-1, generation=1), "slot"),
+        ("engine_requests", raw(kind="free_slot", req=1, slot=1, generation=0), "generation"),
+        ("engine_requests", raw(kind="send", req=1, room=3, pages=[1, 2], num_tokens=2, slot=0, generation=1, aux_bytes=0, memory_version=1), "pages"),
+        ("engine_requests", raw(kind="register_aux", req=1, memory={"kind": "shm", "name": "../etc", "size": 1}, num_slots=1, slot_bytes=64), "name"),
+        ("engine_requests", raw(kind="register_aux", req=1, memory={"kind": "shm", "name": "a", "size": 1}, num_slots=1, slot_bytes=8), "slot_bytes"),
+        ("engine_replies", raw(kind="room_status", req=0, room=1, state="sleeping"), "state"),
+        ("peer_messages", raw(kind="room_ack", room=0), "room"),
+        ("peer_messages", raw(kind="room_failed", room=1, code="not_a_code", reason="x"), "code"),
+        ("peer_messages", raw(kind="aux_record", room=1, slot=0, generation=1, length=0, checksum=2**32), "checksum"),
+    ],
+)
+def test_decoders_reject_bad_input(codec, decoder, data, where):
+    with pytest.raises(msgspec.ValidationError) as info:
+        getattr(codec, decoder).decode(data)
+    # The error points at the offending field, so the reply can say what was wrong.
+    assert where in str(info.value)
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x81\xa4kind", b"\x92\x01\x02"])
+def test_decoders_reject_malformed_bytes(codec, data):
+    with pytest.raises(msgspec.DecodeError):
+        codec.engine_requests.decode(data)
+
+
+def test_schema_has_not_drifted():
+    assert SCHEMA_PATH.read_text() == p.schema_text(), (
+        "proto/schema.json is out of date with pdxfer/protocol.py: run `make schema` and commit the result"
+    )
+
+
+def test_protocol_version_appears_in_the_schema():
+    schema = json.loads(p.schema_text())
+    assert schema["protocol_version"] == p.PROTOCOL_VERSION
+    assert f"v{p.PROTOCOL_VERSION}" in schema["title"]
+    assert set(schema["properties"]) == {"EngineRequest", "EngineReply", "PeerMessage"}
+    # Every message kind is described, so a non-Python engine can speak the protocol.
+    for cls in SAMPLES:
+        assert cls.__name__ in schema["$defs"]
+
+
+def test_compat_hash_is_stable():
+    same = msgspec.structs.replace(COMPAT)
+    assert p.compat_hash(same) == p.compat_hash(COMPAT)
+    assert len(p.compat_hash(COMPAT)) == 16
+    assert p.compat_diff(COMPAT, same) == []
+
+
+CHANGED = {
+    "version": p.PROTOCOL_VERSION + 1,
+    "layout": p.Layout.MLA,
+    "page_size": 32,
+    "dtype": "fp8",
+    "num_layers": 3,
+    "region_page_bytes": (128, 128, 128, 64),
+    "aux_slot_bytes": 8192,
+}
+
+
+def test_changed_covers_every_compat_field():
+    assert set(CHANGED) == set(p.Compat.__struct_fields__)
+
+
+@pytest.mark.parametrize("name", sorted(CHANGED))
+def test_compat_hash_and_diff_notice_each_field(name):
+    theirs = msgspec.structs.replace(COMPAT, **{name: CHANGED[name]})
+    assert p.compat_hash(theirs) != p.compat_hash(COMPAT)
+    (diff,) = p.compat_diff(COMPAT, theirs)
+    assert diff == f"{name}: ours={getattr(COMPAT, name)!r} theirs={CHANGED[name]!r}"
