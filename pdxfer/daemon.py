@@ -159,6 +159,8 @@ class Daemon:
             for pool in (self.service.kv, self.service.aux):
                 if pool is not None:
                     pool.memory.close()
+            for mapping in self.service.retired:
+                mapping.close()
         log.info("pdxfer %s daemon %s stopped", self.config.role.value, self.config.instance)
 
     # --- supervised tasks

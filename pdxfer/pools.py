@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases
-from .protocol import Compat, KVLayout
+from .protocol import Compat, KVLayout, MemoryHandle
 from .slots import SlotAllocator
 from .stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
@@ -19,6 +19,7 @@ class KVPool:
     layout: KVLayout
     version: int
     kind: str
+    handle: MemoryHandle
 
     def __post_init__(self) -> None:
         self.regions: tuple[Region, ...] = layout_regions(self.layout)

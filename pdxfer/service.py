@@ -72,6 +72,7 @@ class RoomService:
         )
         self.kv: KVPool | None = None
         self.aux: AuxBuffer | None = None
+        self.retired: list = []  # replaced mappings, closed when the daemon stops
         self.session = ""  # transfer engine session id, set by the daemon
         self.bootstrap_address = ""
         self.failures: collections.Counter[str] = collections.Counter()
@@ -153,13 +154,15 @@ class RoomService:
         need = KVPool.required_bytes(msg.layout)
         if msg.memory.size < need:
             raise errors.InsufficientCapacity(f"the layout needs {need} bytes but the pool has {msg.memory.size}")
-        mapped = memory.open_handle(msg.memory)
-        try:
-            await self.register_memory(mapped.address, msg.memory.size)
-        except BaseException:
-            mapped.close()
-            raise
-        old, self.kv = self.kv, KVPool(mapped, msg.layout, msg.memory_version, kind)
+        old = self.kv
+        if old is not None and old.handle == msg.memory:
+            mapped = old.memory  # same memory, new version: the engine moved pages within it
+        else:
+            mapped = await self._map(msg.memory)
+            if old is not None:
+                # Writes of the rooms failed below may still read it; unmapped at stop.
+                self.retired.append(old.memory)
+        self.kv = KVPool(mapped, msg.layout, msg.memory_version, kind, msg.memory)
         if old is not None:
             self._fail_stale(old.version)
         log.info("registered KV pool: %s, %d layers, %d pages of %d tokens, memory version %d",
@@ -176,16 +179,22 @@ class RoomService:
             raise errors.InsufficientCapacity(
                 f"{msg.num_slots} slots of {msg.slot_bytes} bytes need {msg.num_slots * msg.slot_bytes} bytes, the buffer has {msg.memory.size}"
             )
-        mapped = memory.open_handle(msg.memory)
-        try:
-            await self.register_memory(mapped.address, msg.memory.size)
-        except BaseException:
-            mapped.close()
-            raise
-        self.aux = AuxBuffer(mapped, msg.num_slots, msg.slot_bytes)
+        if self.aux is not None:
+            self.retired.append(self.aux.memory)
+        self.aux = AuxBuffer(await self._map(msg.memory), msg.num_slots, msg.slot_bytes)
         log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
         self.on_kv_registered()
         return Ok(req=msg.req)
+
+    async def _map(self, handle):
+        """Map an engine buffer and register it with the transport."""
+        mapped = memory.open_handle(handle)
+        try:
+            await self.register_memory(mapped.address, handle.size)
+        except BaseException:
+            mapped.close()
+            raise
+        return mapped
 
     def on_kv_registered(self) -> None:
         """Hook: the decode role re-announces its pools to its peers."""
