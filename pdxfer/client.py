@@ -39,6 +39,7 @@ from .protocol import (
     Error,
     Expect,
     FreeSlot,
+    GetStats,
     KVLayout,
     Message,
     Poll,
@@ -49,8 +50,9 @@ from .protocol import (
     RoomStatus,
     Send,
     SlotGrant,
+    Stats,
 )
-from .stamp import HEADER_BYTES
+from .stamp import HEADER_BYTES, unpack_header, verify
 
 _ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls is not errors.Busy}
 
@@ -133,6 +135,17 @@ class AuxBuffer:
         start = index * self.slot_bytes + HEADER_BYTES
         return self.memory.array[start : start + self.payload_bytes]
 
+    def read(self, slot: Slot, room: int) -> bytes:
+        """The aux record a finished room delivered into ``slot``, checked once more
+        against its stamp as it is read, so a write landing after Success can never
+        be taken for the room's record (S3)."""
+        start = slot.index * self.slot_bytes
+        stamp = unpack_header(self.memory.array[start : start + HEADER_BYTES].tobytes())
+        length = min(stamp.length, self.payload_bytes) if stamp else 0
+        payload = self.memory.array[start + HEADER_BYTES : start + HEADER_BYTES + length].tobytes()
+        verify(stamp, slot=slot.index, expected_room=room, expected_generation=slot.generation, payload=payload)
+        return payload
+
     def tensor(self):
         import torch
 
@@ -199,6 +212,9 @@ class _Requests:
 
     def _free(self, slot: Slot) -> FreeSlot:
         return FreeSlot(req=next(self._req), slot=slot[0], generation=slot[1])
+
+    def _stats(self) -> GetStats:
+        return GetStats(req=next(self._req))
 
     def _replace_kv(self) -> KVPool:
         """The same pool under a new memory version (after the engine relocated pages)."""
@@ -287,6 +303,10 @@ class Client(_Requests):
 
     def free_slot(self, slot: Slot) -> None:
         self._call(self._free(slot))
+
+    def stats(self) -> Stats:
+        """Rooms and slots by state, failures by reason, peers: what the daemon holds now."""
+        return self._call(self._stats())
 
     def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
         self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))
@@ -411,6 +431,9 @@ class AsyncClient(_Requests):
 
     async def free_slot(self, slot: Slot) -> None:
         await self._call(self._free(slot))
+
+    async def stats(self) -> Stats:
+        return await self._call(self._stats())
 
     async def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
         await self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))

@@ -58,6 +58,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     transfer_timeout: Annotated[float, _doc("seconds a room may stay Transferring", gt=0)] = 30.0
     fence_timeout: Annotated[float, _doc("seconds a failed room's slot stays quarantined when its writer never confirms", gt=0)] = 10.0
     retention: Annotated[float, _doc("seconds a finished room the engine never released is kept", gt=0)] = 300.0
+    heartbeat_interval: Annotated[float, _doc("seconds between heartbeats on every peer link", gt=0)] = 1.0
+    heartbeat_misses: Annotated[
+        int, _doc("heartbeats a peer may miss before it is declared dead and exactly its rooms fail", ge=1)
+    ] = 5
+    max_rooms_per_peer: Annotated[int, _doc("prefill: rooms one decode daemon may hold here at once; more are refused as busy", ge=1)] = 2048
+    cluster_secret_file: Annotated[
+        str, _doc("file holding the cluster secret; peers must sign every bootstrap message with it (HMAC-SHA256). Empty: no authentication")
+    ] = ""
+    verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
+    visibility_grace: Annotated[
+        float, _doc("seconds the decode side re-checks an aux stamp or KV digest that does not match yet, before failing the room", ge=0)
+    ] = 0.05
+    inject_faults: Annotated[
+        str, _doc("TESTING ONLY: wrap the transport in a fault injector, e.g. 'delay=0.3:5,early=0.1:2,ghost=0.2:20,fail=0.01' (see pdxfer/transport/faults.py)")
+    ] = ""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
 

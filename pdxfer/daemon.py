@@ -23,10 +23,11 @@ from . import memory, paths
 from .config import Config
 from .decode import DecodeService
 from .prefill import PrefillService
-from .protocol import Codec, Message, Role
+from .errors import BadMessage, Unsupported
+from .protocol import Codec, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
-from .transport import Transport
-from .wire import Dealer, Router
+from .transport import PROBE_BYTES, Transport
+from .wire import Dealer, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
 
@@ -45,6 +46,7 @@ class Daemon:
         self.bootstrap_address = ""
         self.session = ""
         self.task_failures = 0
+        self.seal = Seal(self.incarnation)
         self._ctx: zmq.asyncio.Context | None = None
         self._engine: Router | None = None
         self._bootstrap: Router | None = None
@@ -57,15 +59,14 @@ class Daemon:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
+        self.seal = Seal(self.incarnation, read_secret(cfg.cluster_secret_file))
         self._ctx = zmq.asyncio.Context()
         for step in paths.startup_steps(cfg.device):
             if step == "bind_device":
                 memory.bind_device(cfg.device)
             elif step == "init_transport":
                 if self.transport is None:
-                    from .transport.mooncake import MooncakeTransport
-
-                    self.transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices)
+                    self.transport = make_transport(cfg)
                 self.session = await loop.run_in_executor(None, self.transport.start)
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = Router(self._ctx, f"tcp://{cfg.host}:{cfg.bootstrap_port}", cfg.max_message_bytes, cfg.engine_queue)
@@ -75,8 +76,9 @@ class Daemon:
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self.engine_endpoint = self._engine.start()
         self.pump = TransferPump(self.transport, cfg.peer_window, loop)
-        self.pump.start()
         self.service = self._make_service()
+        self.pump.on_reset = self._transport_reset
+        self.pump.start()
         self._spawn("engine", self._engine_loop)
         if self._bootstrap is not None:
             self._spawn("bootstrap", self._bootstrap_loop)
@@ -101,6 +103,10 @@ class Daemon:
             service.open_link = self._open_link
             service.close_link = self._close_link
             service.send_link = self._send_link
+        if cfg.role is Role.DECODE:
+            service.name = f"{cfg.host}/{cfg.instance}"
+            service.probe_base = self.transport.scratch + PROBE_BYTES
+            service.later = loop.call_later
         service.session = self.session
         service.bootstrap_address = self.bootstrap_address
         service.send_engine = self._send_engine
@@ -179,7 +185,7 @@ class Daemon:
                 raise
             except Exception:
                 self.task_failures += 1
-                self.service.failures[f"task:{name}"] += 1
+                self.service.count_failure(f"task:{name}")
                 log.exception("background task %s failed; restarting it", name)
                 await asyncio.sleep(0.1)
 
@@ -194,7 +200,17 @@ class Daemon:
         bootstrap, service = self._bootstrap, self.service
         while True:
             identity, frames = await bootstrap.recv()
-            service.on_peer(identity, frames[-1] if frames else b"")
+            try:
+                incarnation, payload = self.seal.open(frames)
+            except Unauthenticated as exc:
+                service.count_failure("unauthenticated")
+                log.warning("refused an unauthenticated bootstrap message: %s", exc)
+                self._send_bootstrap(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=str(exc)))
+                continue
+            except BadMessage as exc:
+                self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
+                continue
+            service.on_peer(identity, incarnation, payload)
 
     async def _ticker(self) -> None:
         while True:
@@ -207,19 +223,36 @@ class Daemon:
         self._engine.send(identity, self.codec.encode(message))
 
     def _send_bootstrap(self, identity: bytes, message: Message) -> None:
-        self._bootstrap.send(identity, self.codec.encode(message))
+        self._bootstrap.send(identity, *self.seal.seal(self.codec.encode(message)))
+
+    def _transport_reset(self, session: str) -> None:
+        self.session = self.service.session = session
 
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
         dealer = Dealer(self._ctx, endpoint, self.incarnation.encode(), cfg.max_message_bytes, cfg.engine_queue)
         dealer.start()
-        task = asyncio.create_task(self._link_loop(endpoint, dealer), name=f"pdxfer-link-{endpoint}")
+        task = asyncio.create_task(self._supervise(f"link {endpoint}", lambda: self._link_loop(endpoint, dealer)))
         self._links[endpoint] = (dealer, task)
 
     async def _link_loop(self, endpoint: str, dealer: Dealer) -> None:
-        while dealer.sock is not None:  # closed by _close_link, maybe from inside on_link
-            frames = await dealer.recv()
-            self.service.on_link(endpoint, frames[-1] if frames else b"")
+        events = asyncio.create_task(self._link_events(endpoint, dealer))
+        try:
+            while dealer.sock is not None:  # closed by _close_link, maybe from inside on_link
+                frames = await dealer.recv()
+                try:
+                    incarnation, payload = self.seal.open(frames)
+                except (Unauthenticated, BadMessage) as exc:
+                    self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
+                    log.warning("dropped a message from prefill %s: %s", endpoint, exc)
+                    continue
+                self.service.on_link(endpoint, incarnation, payload)
+        finally:
+            events.cancel()
+
+    async def _link_events(self, endpoint: str, dealer: Dealer) -> None:
+        while dealer.monitor is not None:
+            self.service.on_connection(endpoint, await dealer.connection_event())
 
     def _close_link(self, endpoint: str) -> None:
         entry = self._links.pop(endpoint, None)
@@ -231,4 +264,32 @@ class Daemon:
     def _send_link(self, endpoint: str, message: Message) -> None:
         entry = self._links.get(endpoint)
         if entry is not None:
-            entry[0].send(self.codec.encode(message))
+            entry[0].send(*self.seal.seal(self.codec.encode(message)))
+
+
+def read_secret(path: str) -> bytes:
+    if not path:
+        return b""
+    try:
+        with open(path, "rb") as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        raise Unsupported(f"cannot read the cluster secret file {path}: {exc.strerror}") from None
+    if len(secret) < 16:
+        raise Unsupported(f"the cluster secret in {path} is {len(secret)} bytes; use at least 16")
+    return secret
+
+
+def make_transport(cfg: Config) -> Transport:
+    from .transport.mooncake import MooncakeTransport
+
+    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices)
+    if not cfg.inject_faults:
+        return transport
+    from .transport.faults import FaultInjectingTransport, FaultSpec
+
+    try:
+        spec = FaultSpec.parse(cfg.inject_faults)
+    except ValueError as exc:
+        raise Unsupported(f"--inject-faults: {exc}") from None
+    return FaultInjectingTransport(transport, spec)

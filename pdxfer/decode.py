@@ -1,10 +1,18 @@
 """The decode role: take the engine's expect(), ask the prefill daemon for the room,
-and declare Success only when the aux record's stamp verifies against the slot the
-room armed (A1, S3).
+and declare Success only when the aux record's stamp (and, with --verify-kv, the KV
+digest) verifies against what this side expects (A1, S3).
 
 One link (a ZMQ DEALER, opened by the daemon) per prefill bootstrap address. The
 first message on a link, and the first after every re-registration, is a
-PeerHello describing this side's pools.
+PeerHello describing this side's pools. Every link heartbeats; a prefill that stops
+answering, drops its connection, or answers under a new incarnation is declared dead
+and exactly the rooms on that link fail.
+
+Fencing. A failed room's slot and pages are released once the prefill confirms it
+has nothing in flight for the room, or, failing that, once its lease ran out: the
+prefill submits no write for a room later than the transfer timeout after it began
+writing, so ``fence_timeout`` past that, nothing can land. A prefill proven gone (a
+new incarnation answered at its address) fences its rooms at once.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from .protocol import (
     AuxRecord,
     ErrorCode,
     Expect,
+    Heartbeat,
+    HeartbeatAck,
     Message,
     Ok,
     PeerError,
@@ -61,10 +71,14 @@ def bootstrap_endpoint(address: str) -> str:
 @dataclass(eq=False)
 class PrefillLink:
     endpoint: str
+    last_heard: float
+    last_beat: float = 0.0
+    beats: int = 0
     incarnation: str = ""
     session: str = ""
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
+    unfenced: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) waiting for this prefill
 
 
 @dataclass(eq=False)
@@ -72,7 +86,10 @@ class DecodeWork:
     engine: bytes
     link: str
     memory_version: int
+    pages: np.ndarray
+    started: float = 0.0  # when we learnt the prefill began writing
     peer_fenced: bool = False  # the prefill said it has no write in flight for this room
+    first_check: float = 0.0  # first verification attempt of the aux record
 
 
 class DecodeService(RoomService):
@@ -82,9 +99,12 @@ class DecodeService(RoomService):
         super().__init__(*args, **kwargs)
         self.links: dict[str, PrefillLink] = {}
         self.work: dict[int, DecodeWork] = {}
+        self.name = ""  # stable name peers know this daemon by
+        self.probe_base = 0
         self.open_link: Callable[[str], None] = lambda endpoint: None
         self.close_link: Callable[[str], None] = lambda endpoint: None
         self.send_link: Callable[[str, Message], None] = lambda endpoint, message: None
+        self.later: Callable[[float, Callable[[], None]], object] = lambda delay, fn: None
 
     # --- engine side
 
@@ -103,20 +123,23 @@ class DecodeService(RoomService):
         except PdxferError:
             self.rooms.remove(room.id)
             raise
-        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version)
+        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy())
         room.peer = endpoint
         link = self._link(endpoint)
         link.rooms.add(room.id)
         self.send_link(
             endpoint,
-            RoomRequest(room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens),
+            RoomRequest(
+                room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
+                num_draft_tokens=msg.num_draft_tokens, lease_ms=int(self.config.transfer_timeout * 1000),
+            ),
         )
         return Ok(req=msg.req)
 
     def _link(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
         if link is None:
-            self.links[endpoint] = link = PrefillLink(endpoint)
+            self.links[endpoint] = link = PrefillLink(endpoint, last_heard=self.clock())
             self.open_link(endpoint)
             self.send_link(endpoint, self.hello())
         return link
@@ -135,6 +158,9 @@ class DecodeService(RoomService):
             aux_base=aux.memory.address,
             aux_slots=aux.num_slots,
             memory_version=kv.version,
+            name=self.name,
+            probe_base=self.probe_base,
+            verify_kv=self.config.verify_kv,
         )
 
     def on_kv_registered(self) -> None:
@@ -144,10 +170,13 @@ class DecodeService(RoomService):
 
     # --- bootstrap channel
 
-    def on_link(self, endpoint: str, raw: bytes) -> None:
+    def on_link(self, endpoint: str, incarnation: str, raw: bytes) -> None:
         link = self.links.get(endpoint)
         if link is None:
             return
+        link.last_heard = self.clock()
+        if link.incarnation and incarnation != link.incarnation:
+            self._restarted(link, incarnation)
         try:
             msg = self.codec.peer_messages.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -162,10 +191,12 @@ class DecodeService(RoomService):
             log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc)
             self.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception:  # H1
-            self.failures["internal"] += 1
+            self.count_failure("internal")
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint)
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
+        if isinstance(msg, HeartbeatAck):
+            return
         if isinstance(msg, PeerWelcome):
             link.ready, link.incarnation, link.session = True, msg.incarnation, msg.session
             log.info("prefill daemon %s (incarnation %s) accepted this daemon", link.endpoint, msg.incarnation)
@@ -174,10 +205,7 @@ class DecodeService(RoomService):
             self._refused(link, msg)
             return
         if isinstance(msg, PeerError):
-            log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message)
-            room = self._room_of(link, msg.room) if msg.room else None
-            if room is not None:
-                self.fail(room, msg.code, f"prefill side: {msg.message}")
+            self._peer_error(link, msg)
             return
         room = self._room_of(link, msg.room)
         if room is None:
@@ -185,9 +213,9 @@ class DecodeService(RoomService):
         if isinstance(msg, RoomAccepted):
             self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
             if msg.input_ready:
-                self.rooms.apply(room, Event.INPUT_READY, self.clock())
+                self._started(room)
         elif isinstance(msg, TransferStarted):
-            self.rooms.apply(room, Event.INPUT_READY, self.clock())
+            self._started(room)
         elif isinstance(msg, AuxRecord):
             self._aux_record(link, room, msg)
         elif isinstance(msg, RoomFailed):
@@ -197,67 +225,175 @@ class DecodeService(RoomService):
         else:
             raise errors.BadMessage(f"a decode daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
 
+    def _started(self, room: Room) -> None:
+        self.rooms.apply(room, Event.INPUT_READY, self.clock())
+        self.work[room.id].started = self.clock()
+
     def _room_of(self, link: PrefillLink, room_id: int) -> Room | None:
         room = self.rooms.find(room_id)
         if room is None or room.peer != link.endpoint:
             return None
         return room
 
+    def _peer_error(self, link: PrefillLink, msg: PeerError) -> None:
+        log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message)
+        if msg.code is ErrorCode.UNKNOWN_PEER:
+            # It declared us dead (we stalled) or lost us: our rooms there are gone.
+            self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
+            self.send_link(link.endpoint, self.hello())
+            return
+        room = self._room_of(link, msg.room) if msg.room else None
+        if room is not None:
+            self.fail(room, msg.code, f"prefill side: {msg.message}")
+
     def _refused(self, link: PrefillLink, msg: PeerRefused) -> None:
         log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason)
         for room_id in list(link.rooms):
-            room = self.rooms.find(room_id)
-            if room is not None:
+            if room_id in self.work:
                 self.work[room_id].peer_fenced = True  # it refused us: it never wrote
-                self.fail(room, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
+        self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
         self.close_link(link.endpoint)
+
+    def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str) -> None:
+        for room_id in list(link.rooms):
+            room = self.rooms.find(room_id)
+            if room is not None:
+                self.fail(room, code, reason)
+
+    # --- verification
 
     def _aux_record(self, link: PrefillLink, room: Room, msg: AuxRecord) -> None:
         aux = self._aux()
         w = self.work[room.id]
-        w.peer_fenced = True  # the prefill sends aux only after its KV writes completed
+        w.peer_fenced = True  # the prefill sends aux only after its writes completed
         if room.finished:
             return
         slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
-        try:
-            if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (msg.room, msg.generation):
-                holder = f"room {slot.room} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
-                raise errors.AuxStampMismatch(
-                    f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}",
-                    room=room.id,
-                )
-            sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-            if msg.via_transfer_engine:
-                landed = aux.header(msg.slot)
-                payload = aux.payload(msg.slot, landed.length if landed else 0)
-                verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation, payload=payload)
-                if landed != sent:
-                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
-            else:
-                verify(sent, slot=msg.slot, expected_room=room.id, expected_generation=room.generation, payload=msg.payload)
-                aux.write(msg.slot, sent, msg.payload)
-        except PdxferError as exc:
-            self.fail(room, exc.code, exc.message)
+        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (msg.room, msg.generation):
+            holder = f"room {slot.room} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
+            reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"
+            self.fail(room, ErrorCode.AUX_STAMP_MISMATCH, reason)
             victim = self.rooms.find(slot.room) if slot is not None and slot.room != room.id else None
-            if msg.via_transfer_engine and victim is not None:
-                # the stray record was written into another room's slot
-                self.fail(victim, exc.code, exc.message)
+            if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
+                self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
+            return
+        if not msg.via_transfer_engine:
+            try:
+                verify(Stamp(msg.room, msg.generation, msg.length, msg.checksum), slot=msg.slot, expected_room=room.id,
+                       expected_generation=room.generation, payload=msg.payload)
+            except PdxferError as exc:
+                self.fail(room, exc.code, exc.message)
+                return
+            aux.write(msg.slot, Stamp(msg.room, msg.generation, msg.length, msg.checksum), msg.payload)
+        w.first_check = self.clock()
+        self._check_landed(link.endpoint, room, msg)
+
+    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord) -> None:
+        """Check the bytes that landed: the stamp in the slot and the KV digest. A
+        write reported complete may not be visible yet (asynchronous paths), so a
+        mismatch is re-checked until visibility_grace has passed; never Success before."""
+        if room.finished or self.rooms.find(room.id) is not room:
+            return
+        aux, w = self._aux(), self.work[room.id]
+        try:
+            sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
+            landed = aux.header(msg.slot)
+            verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation,
+                   payload=aux.payload(msg.slot, landed.length if landed else 0))
+            if landed != sent:
+                raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
+            self._check_digest(room, w, msg)
+        except PdxferError as exc:
+            waited = self.clock() - w.first_check
+            if waited < self.config.visibility_grace:
+                delay = min(self.config.visibility_grace - waited, max(0.001, waited))
+                self.later(delay, lambda: self._check_landed(endpoint, room, msg))
+                return
+            self.fail(room, exc.code, exc.message)
             return
         aux.slots.mark_written(msg.slot, msg.generation, self.clock())
         if room.state.value == "waiting_for_input":
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
         self.succeed(room)
-        self.send_link(link.endpoint, RoomAck(room=room.id))
+        self.send_link(endpoint, RoomAck(room=room.id))
+
+    def _check_digest(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
+        if not self.config.verify_kv:
+            return
+        if not msg.kv_pages:
+            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH)
+        if msg.kv_pages > w.pages.size:
+            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
+        actual = self._kv().digest(w.pages[: msg.kv_pages])
+        if actual != msg.kv_digest:
+            raise PdxferError(
+                f"KV digest {actual:#010x} over {msg.kv_pages} pages does not match the prefill's {msg.kv_digest:#010x}",
+                room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH,
+            )
+
+    # --- peer health
+
+    def tick(self) -> None:
+        super().tick()
+        now = self.clock()
+        interval = self.config.heartbeat_interval
+        limit = interval * self.config.heartbeat_misses
+        slots = self.aux.slots.slots if self.aux is not None else []
+        for link in list(self.links.values()):
+            link.unfenced = {(s, g) for s, g in link.unfenced if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
+            if now - link.last_beat >= interval:
+                link.beats += 1
+                link.last_beat = now
+                self.send_link(link.endpoint, Heartbeat(seq=link.beats))
+            if link.rooms and now - link.last_heard > limit:
+                self.declare_dead(link, f"prefill {link.endpoint} answered nothing for {now - link.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
+
+    def on_connection(self, endpoint: str, event: str) -> None:
+        """The link's TCP connection came or went (ZMQ reconnects by itself)."""
+        link = self.links.get(endpoint)
+        if link is not None and event == "disconnected" and link.rooms:
+            self.declare_dead(link, f"prefill {endpoint} closed its connection")
+
+    def declare_dead(self, link: PrefillLink, reason: str) -> None:
+        """Fail exactly the rooms on this link. The link stays: ZMQ reconnects, and a
+        recovered or restarted prefill gets new rooms as usual."""
+        self.count_failure("peer_dead")
+        log.error("declared prefill %s dead, failing its %d rooms: %s", link.endpoint, len(link.rooms), reason)
+        link.last_heard = self.clock()
+        self._fail_link(link, ErrorCode.PEER_DEAD, reason)
+
+    def _restarted(self, link: PrefillLink, incarnation: str) -> None:
+        """A new process answers at the link's address: the old one is gone, so
+        nothing of it can land any more."""
+        old = link.incarnation
+        link.incarnation, link.ready = incarnation, False
+        self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
+        for room_id in list(link.rooms):
+            room = self.rooms.find(room_id)
+            if room is not None:
+                self.fenced(room)
+        for slot, generation in link.unfenced:  # rooms the engine already released
+            self._aux().slots.fence(slot, generation, self.clock())
+        link.unfenced.clear()
+        self.send_link(link.endpoint, self.hello())
 
     # --- hooks
+
+    def fence_deadline(self, room: Room, now: float) -> float:
+        w = self.work.get(room.id)
+        started = w.started if w is not None and w.started else now
+        return max(now, started + self.config.transfer_timeout) + self.config.fence_timeout
 
     def stop_writes(self, room: Room) -> bool:
         w = self.work.get(room.id)
         if w is None or w.peer_fenced:
             return True
-        # Tell the prefill; its RoomFailed(fenced) reply, or the fence timeout, fences us.
+        # Tell the prefill; its RoomFailed(fenced) reply, or the lease, fences us.
         self.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        link = self.links.get(w.link)
+        if link is not None and room.slot >= 0:
+            link.unfenced.add((room.slot, room.generation))
         return False
 
     def engine_of(self, room: Room) -> bytes:
@@ -272,3 +408,6 @@ class DecodeService(RoomService):
         w = self.work.pop(room.id, None)
         if w is not None and w.link in self.links:
             self.links[w.link].rooms.discard(room.id)
+
+    def peer_count(self) -> int:
+        return len(self.links)

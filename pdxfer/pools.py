@@ -3,10 +3,12 @@ daemon, with the layout arithmetic and slot allocator that go with them."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import Unsupported
 from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases
 from .protocol import Compat, KVLayout, MemoryHandle
 from .slots import SlotAllocator
@@ -28,6 +30,16 @@ class KVPool:
     @property
     def address(self) -> int:
         return self.memory.address
+
+    def digest(self, pages: np.ndarray) -> int:
+        """CRC-32 of the given pages, region by region in layout order."""
+        if self.kind != "shm":
+            raise Unsupported("KV digests (--verify-kv) need host-memory pools")
+        crc, n = 0, self.layout.num_pages
+        for r in self.regions:
+            region = self.memory.array[r.offset : r.offset + n * r.page_bytes].reshape(n, r.page_bytes)
+            crc = zlib.crc32(np.take(region, pages, axis=0), crc)
+        return crc
 
     @staticmethod
     def required_bytes(layout: KVLayout) -> int:

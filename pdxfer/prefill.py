@@ -6,6 +6,12 @@ order; when both are in, every check that needs both halves runs (capacity C1,
 destination bounds C2, destination memory version C3) before a single byte moves.
 The aux record goes only after every KV block completed (A3), and the room succeeds
 only when the decode daemon acknowledged its stamp (A1).
+
+Decode daemons heartbeat every link; one that stays silent for heartbeat_misses
+intervals, or says hello again under the same name with a new incarnation, is
+declared dead and exactly its rooms fail. No block of a room is submitted after its
+lease (the transfer timeout, counted from when its writes start), which is what lets
+the decode side release a dead writer's destination after that bound.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from .protocol import (
     PROTOCOL_VERSION,
     AuxRecord,
     ErrorCode,
+    Heartbeat,
+    HeartbeatAck,
     Message,
     Ok,
     PeerError,
@@ -63,6 +71,7 @@ class DecodePeer:
 
     identity: bytes
     hello: PeerHello
+    last_heard: float
     rooms: set[int] = field(default_factory=set)
 
     @property
@@ -81,6 +90,8 @@ class PrefillWork:
     request: RoomRequest | None = None
     dst_pages: np.ndarray | None = None
     job: Job | None = None
+    lease_end: float = 0.0
+    digest: int | None = None
 
 
 class PrefillService(RoomService):
@@ -93,7 +104,7 @@ class PrefillService(RoomService):
         self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
         self.send_peer = lambda identity, message: None
         # Peer messages that arrived before the engine registered, replayed after.
-        self._early: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
 
     # --- engine side
 
@@ -135,9 +146,12 @@ class PrefillService(RoomService):
 
     # --- bootstrap channel
 
-    def on_peer(self, identity: bytes, raw: bytes) -> None:
+    def on_peer(self, identity: bytes, incarnation: str, raw: bytes) -> None:
+        if len(raw) > self.config.max_message_bytes:
+            self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit"))
+            return
         if self.kv is None or self.aux is None:
-            self._hold(identity, raw)
+            self._hold(identity, incarnation, raw)
             return
         try:
             msg = self.codec.peer_messages.decode(raw)
@@ -150,8 +164,11 @@ class PrefillService(RoomService):
                 return
             peer = self.peers.get(identity)
             if peer is None:
-                raise errors.BadMessage("say peer_hello first", side=errors.Side.PEER)
-            if isinstance(msg, RoomRequest):
+                raise PdxferError("this prefill daemon does not know you (it restarted, or declared you dead): say peer_hello", code=ErrorCode.UNKNOWN_PEER, side=errors.Side.PEER)
+            peer.last_heard = self.clock()
+            if isinstance(msg, Heartbeat):
+                self.send_peer(identity, HeartbeatAck(seq=msg.seq))
+            elif isinstance(msg, RoomRequest):
                 self._request(peer, msg)
             elif isinstance(msg, RoomAck):
                 self._ack(peer, msg)
@@ -162,17 +179,17 @@ class PrefillService(RoomService):
         except PdxferError as exc:
             self.send_peer(identity, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception as exc:  # H1
-            self.failures["internal"] += 1
+            self.count_failure("internal")
             log.exception("internal error handling %s from peer", type(msg).__name__)
             self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
 
-    def _hold(self, identity: bytes, raw: bytes) -> None:
+    def _hold(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         """Keep what decode daemons send before our engine registered (bounded by
         max_rooms); their rooms' bootstrap timeout covers an engine that never does."""
         if len(self._early) >= self.config.max_rooms:
             self.send_peer(identity, PeerError(code=ErrorCode.BUSY, message="the prefill engine has not registered yet and the early-message queue is full"))
             return
-        self._early.append((identity, raw))
+        self._early.append((identity, incarnation, raw))
 
     def on_kv_registered(self) -> None:
         if self.kv is not None and self.aux is not None:
@@ -191,8 +208,10 @@ class PrefillService(RoomService):
             return
         peer = self.peers.get(identity)
         if peer is None:
-            self.peers[identity] = peer = DecodePeer(identity, hello)
-            log.info("decode daemon %s (incarnation %s) connected", hello.session, hello.incarnation)
+            for old in [p for p in self.peers.values() if hello.name and p.hello.name == hello.name]:
+                self.declare_dead(old, f"decode daemon {hello.name} restarted (incarnation {old.hello.incarnation} -> {hello.incarnation})")
+            self.peers[identity] = peer = DecodePeer(identity, hello, self.clock())
+            log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation)
         else:
             old, peer.hello = peer.hello, hello
             if hello.memory_version != old.memory_version:
@@ -219,6 +238,8 @@ class PrefillService(RoomService):
             dst = pages_from_bytes(msg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room, side=errors.Side.PEER) from None
+        if len(peer.rooms) >= self.config.max_rooms_per_peer:
+            raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
         if room is None:
             room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
             self.work[room.id] = PrefillWork()
@@ -250,8 +271,15 @@ class PrefillService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         room.bytes_planned = blocks.nbytes + HEADER_BYTES + w.aux_bytes
-        w.job = Job(room.id, dst_hello.session, blocks, self._kv_written)
+        w.lease_end = self.clock() + self._lease(req)
+        w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
+
+    def _lease(self, req: RoomRequest) -> float:
+        """Seconds this room may keep submitting writes: our transfer timeout, or the
+        decode side's if shorter (it releases the destination on that basis)."""
+        own = self.config.transfer_timeout
+        return min(own, req.lease_ms / 1000) if req.lease_ms else own
 
     def _kv_written(self, job: Job) -> None:
         room, w = self.rooms.find(job.id), self.work.get(job.id)
@@ -264,20 +292,33 @@ class PrefillService(RoomService):
         if not job.ok:
             self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
             return
-        aux, peer, req = self._aux(), self.peers[w.peer], w.request
+        aux, peer, req = self._aux(), self.peers.get(w.peer), w.request
+        if peer is None:
+            self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
+            return
+        if peer.hello.verify_kv or self.config.verify_kv:
+            w.digest = self._kv().digest(w.src_pages)
         payload = aux.payload(room.slot, w.aux_bytes)
         stamp = stamp_for(room.id, req.generation, payload)
         if self.aux_path is paths.AuxPath.TCP:
             w.job = None
-            self.send_peer(w.peer, AuxRecord(room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum, payload=payload))
+            self.send_peer(w.peer, self._record(room, w, stamp, payload))
             return
         aux.write_header(room.slot, stamp)
         dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
         blocks = Blocks(
             np.array([aux.slot_address(room.slot)], np.uint64), np.array([dst], np.uint64), np.array([HEADER_BYTES + len(payload)], np.uint64)
         )
-        w.job = Job(room.id, peer.hello.session, blocks, self._aux_written)
+        w.job = Job(room.id, peer.hello.session, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.pump.submit(w.job)
+
+    def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"") -> AuxRecord:
+        req = w.request
+        return AuxRecord(
+            room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
+            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
+            kv_pages=w.src_pages.size if w.digest is not None else 0, kv_digest=w.digest or 0,
+        )
 
     def _aux_written(self, job: Job) -> None:
         room, w = self.rooms.find(job.id), self.work.get(job.id)
@@ -291,9 +332,7 @@ class PrefillService(RoomService):
             return
         w.job = None
         room.bytes_moved += job.blocks.nbytes
-        stamp = self._aux().header(room.slot)
-        req = w.request
-        self.send_peer(w.peer, AuxRecord(room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum, via_transfer_engine=True))
+        self.send_peer(w.peer, self._record(room, w, self._aux().header(room.slot)))
 
     def _settled(self, room: Room, job: Job) -> None:
         """A failed room's last writes drained: it is fenced, and the peer may reuse
@@ -323,6 +362,25 @@ class PrefillService(RoomService):
         if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
             self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
 
+    # --- peer health
+
+    def tick(self) -> None:
+        super().tick()
+        limit = self.config.heartbeat_interval * self.config.heartbeat_misses
+        now = self.clock()
+        for peer in [p for p in self.peers.values() if now - p.last_heard > limit]:
+            self.declare_dead(peer, f"decode daemon {peer.hello.name or peer.label} sent nothing for {now - peer.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
+
+    def declare_dead(self, peer: DecodePeer, reason: str) -> None:
+        """Fail exactly this peer's rooms and forget it; a live peer says hello again."""
+        self.peers.pop(peer.identity, None)
+        self.count_failure("peer_dead")
+        log.error("declared decode daemon %s dead, failing its %d rooms: %s", peer.hello.name or peer.label, len(peer.rooms), reason)
+        for room_id in list(peer.rooms):
+            room = self.rooms.find(room_id)
+            if room is not None:
+                self.fail(room, ErrorCode.PEER_DEAD, reason)
+
     # --- hooks
 
     def stop_writes(self, room: Room) -> bool:
@@ -348,3 +406,6 @@ class PrefillService(RoomService):
         w = self.work.pop(room.id, None)
         if w is not None and w.peer in self.peers:
             self.peers[w.peer].rooms.discard(room.id)
+
+    def peer_count(self) -> int:
+        return len(self.peers)

@@ -84,6 +84,11 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"
     ABORTED = "aborted"
     PEER_UNREACHABLE = "peer_unreachable"
+    PEER_DEAD = "peer_dead"
+    UNKNOWN_PEER = "unknown_peer"
+    UNAUTHENTICATED = "unauthenticated"
+    KV_DIGEST_MISMATCH = "kv_digest_mismatch"
+    LEASE_EXPIRED = "lease_expired"
     UNSUPPORTED = "unsupported"
     BUSY = "busy"
     INTERNAL = "internal"
@@ -244,8 +249,12 @@ class Release(Message, tag="release"):
     room: RoomId
 
 
+class GetStats(Message, tag="get_stats"):
+    req: ReqId
+
+
 EngineRequest = Union[
-    EngineHello, RegisterKV, RegisterAux, AllocSlot, FreeSlot, Send, Expect, Poll, Abort, Release
+    EngineHello, RegisterKV, RegisterAux, AllocSlot, FreeSlot, Send, Expect, Poll, Abort, Release, GetStats
 ]
 
 
@@ -297,7 +306,17 @@ class Busy(Message, tag="busy"):
     retry_after_ms: Count
 
 
-EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy]
+class Stats(Message, tag="stats"):
+    """Counts a daemon holds now; ``failures`` counts failed rooms and task errors by code since start."""
+
+    req: ReqId
+    rooms: dict[str, int]
+    slots: dict[str, int]
+    failures: dict[str, int]
+    peers: int
+
+
+EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy, Stats]
 
 
 # --- daemon <-> daemon (bootstrap channel)
@@ -317,6 +336,9 @@ class PeerHello(Message, tag="peer_hello"):
     aux_base: Address
     aux_slots: Positive
     memory_version: Positive
+    name: str = ""  # stable name of the sender (host/instance): a new incarnation under it replaces the old
+    probe_base: Address = 0  # 64 scratch bytes a prefill may write to test its transfer session
+    verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
 
 
 class PeerWelcome(Message, tag="peer_welcome"):
@@ -339,6 +361,7 @@ class RoomRequest(Message, tag="room_request"):
     generation: Positive
     memory_version: Positive
     num_draft_tokens: Count = 0
+    lease_ms: Count = 0  # the prefill submits no write for this room later than this after receipt
 
 
 class RoomAccepted(Message, tag="room_accepted"):
@@ -363,6 +386,8 @@ class AuxRecord(Message, tag="aux_record"):
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
+    kv_pages: Count = 0  # with a digest: how many pages were written per region
+    kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # CRC-32 of those pages, region by region
 
 
 class RoomAck(Message, tag="room_ack"):
@@ -379,6 +404,16 @@ class RoomFailed(Message, tag="room_failed"):
     code: ErrorCode
     reason: str
     fenced: bool = True
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Decode -> prefill every heartbeat interval on every link."""
+
+    seq: Count
+
+
+class HeartbeatAck(Message, tag="heartbeat_ack"):
+    seq: Count
 
 
 class PeerError(Message, tag="peer_error"):
@@ -399,8 +434,19 @@ PeerMessage = Union[
     AuxRecord,
     RoomAck,
     RoomFailed,
+    Heartbeat,
+    HeartbeatAck,
     PeerError,
 ]
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """The first of the two frames of every peer message: who sends (its incarnation,
+    new on every start) and, when the cluster has a secret, an HMAC-SHA256 over the
+    incarnation and the payload frame (first 16 bytes)."""
+
+    incarnation: str
+    mac: bytes = b""
 
 
 def tag_of(message: Message) -> str:

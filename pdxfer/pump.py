@@ -1,11 +1,17 @@
 """The transfer pump: the one thread that calls the transport.
 
 The event loop hands it jobs (one room's blocks to one peer); the pump submits them
-in FIFO order per peer, never keeping more than ``window`` blocks in flight to one
-peer (the transfer engine rejects a peer's queue past its limit), polls completions
-oldest first, and reports each job back on the event loop exactly once, after every
-block it submitted has settled. That last point is what fencing relies on: when a
-job's callback runs, no write of that job can still land.
+in FIFO order per peer, keeps at most a window of blocks in flight to each peer,
+polls completions oldest first, and reports each job back on the event loop exactly
+once, after every block it submitted has settled. That last point is what fencing
+relies on: when a job's callback runs, no write of that job can still land.
+
+Faults. The transfer engine rejects a peer's queue past its limit, and a session can
+break inside it. So a failed write halves that peer's window (it grows back by one
+per completed write), and marks the peer suspect: once its writes drained, the pump
+probes it with a small write; if the probe fails, it drains every peer, re-creates
+the transport (``Transport.reset``) and probes again. Only the jobs whose writes
+failed fail; later ones go through the recovered session.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class Job:
     peer: str
     blocks: Blocks
     on_done: Callable[["Job"], None]  # runs on the event loop
+    deadline: float = 0.0  # monotonic time after which no block of it is submitted (its lease); 0: none
+    probe: int = 0  # the peer's probe address, for checking a suspect session
     next: int = 0  # next block to submit
     in_flight: int = 0
     error: str = ""
@@ -50,8 +58,11 @@ class Job:
 
 @dataclass(eq=False)
 class _Peer:
+    window: int
     jobs: deque = field(default_factory=deque)  # jobs with blocks still to submit
-    in_flight: deque = field(default_factory=deque)  # (handle, job), oldest first
+    in_flight: deque = field(default_factory=deque)  # (handle, job, bytes), oldest first
+    suspect: bool = False  # a write failed: probe before submitting more
+    probe: int = 0
 
 
 class TransferPump:
@@ -59,8 +70,11 @@ class TransferPump:
         self.transport = transport
         self.window = window
         self.loop = loop
+        self.on_reset: Callable[[str], None] = lambda session: None  # runs on the event loop
         self.blocks_submitted = 0
         self.bytes_done = 0
+        self.failed_writes = 0
+        self.resets = 0
         self._inbox: deque[Job] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -68,6 +82,7 @@ class TransferPump:
         self._peers: dict[str, _Peer] = {}
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
         self._cancels = False  # a job was cancelled since the last round
+        self._reset_wanted = ""  # the peer whose probe failed, until the transport is reset
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pdxfer-pump", daemon=True)
@@ -88,6 +103,9 @@ class TransferPump:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def in_flight(self) -> dict[str, int]:
+        return {name: len(peer.in_flight) for name, peer in self._peers.items()}
 
     def _run(self) -> None:
         pause = 0.0
@@ -113,16 +131,112 @@ class TransferPump:
         progressed = False
         while self._inbox:
             job = self._inbox.popleft()
-            self._peers.setdefault(job.peer, _Peer()).jobs.append(job)
+            peer = self._peers.setdefault(job.peer, _Peer(self.window))
+            peer.jobs.append(job)
+            peer.probe = job.probe or peer.probe
             job.queued = True
             progressed = True
         if self._cancels:
             self._cancels = False
             progressed |= self._drop_cancelled()
         for peer_name, peer in self._peers.items():
-            progressed |= self._fill(peer_name, peer)
             progressed |= self._drain(peer)
+            if peer.suspect and not peer.in_flight and not self._reset_wanted:
+                self._check(peer_name, peer)
+                progressed = True
+            if not peer.suspect and not self._reset_wanted:
+                progressed |= self._fill(peer_name, peer)
+        if self._reset_wanted and not any(p.in_flight for p in self._peers.values()):
+            self._reset()
+            progressed = True
         return progressed
+
+    def _fill(self, peer_name: str, peer: _Peer) -> bool:
+        progressed = False
+        now = time.monotonic()
+        while peer.jobs and len(peer.in_flight) < peer.window:
+            job = peer.jobs[0]
+            if job.deadline and now > job.deadline and not job.error and job.next < len(job.blocks):
+                job.error = f"lease expired with {len(job.blocks) - job.next} of {len(job.blocks)} blocks unsent"
+            if job.cancelled or job.error or job.next >= len(job.blocks):
+                peer.jobs.popleft()
+                job.queued = False
+                if job._finished():
+                    self._finished.append(job)
+                continue
+            start = job.next
+            end = min(len(job.blocks), start + peer.window - len(peer.in_flight))
+            b = job.blocks
+            handles = self.transport.submit(
+                peer_name, b.src[start:end].tolist(), b.dst[start:end].tolist(), b.length[start:end].tolist()
+            )
+            job.next = end
+            self.blocks_submitted += end - start
+            for offset, handle in enumerate(handles):
+                if handle == 0:
+                    job.error = job.error or f"transfer engine refused block {start + offset} to {peer_name}"
+                    self._write_failed(peer_name, peer)
+                else:
+                    peer.in_flight.append((handle, job, int(b.length[start + offset])))
+                    job.in_flight += 1
+            progressed = True
+        return progressed
+
+    def _drain(self, peer: _Peer) -> bool:
+        progressed = False
+        while peer.in_flight:
+            handle, job, nbytes = peer.in_flight[0]
+            status = self.transport.poll(handle)
+            if status is Status.PENDING:
+                break
+            peer.in_flight.popleft()
+            job.in_flight -= 1
+            progressed = True
+            if status is Status.FAILED:
+                job.error = job.error or f"transfer engine reported a failed write to {job.peer}"
+                self._write_failed(job.peer, peer)
+            else:
+                self.bytes_done += nbytes
+                peer.window = min(self.window, peer.window + 1)
+            if job._finished() and not job.queued:
+                self._finished.append(job)
+        return progressed
+
+    def _write_failed(self, peer_name: str, peer: _Peer) -> None:
+        self.failed_writes += 1
+        if not peer.suspect:
+            peer.window = max(1, peer.window // 2)
+            log.warning("a write to %s failed: window down to %d, probing the session once writes drain", peer_name, peer.window)
+        peer.suspect = True
+
+    def _check(self, peer_name: str, peer: _Peer) -> None:
+        """A suspect peer with nothing in flight: is its session still usable?"""
+        if not peer.probe or self.transport.probe(peer_name, peer.probe):
+            peer.suspect = False
+            return
+        log.warning("probe of the transfer session to %s failed; re-creating the transport", peer_name)
+        self._reset_wanted = peer_name
+
+    def _reset(self) -> None:
+        peer_name, self._reset_wanted = self._reset_wanted, ""
+        session = self.transport.reset()
+        self.resets += 1
+        self.loop.call_soon_threadsafe(self.on_reset, session)
+        peer = self._peers[peer_name]
+        if self.transport.probe(peer_name, peer.probe):
+            peer.suspect = False
+            peer.window = self.window
+            log.warning("transfer session to %s works again after the reset", peer_name)
+            return
+        reason = f"transfer session to {peer_name} is broken: a probe failed even after re-creating the transport"
+        log.error("%s; failing its queued jobs", reason)
+        for job in peer.jobs:
+            job.error = job.error or reason
+            job.queued = False
+            if job._finished():
+                self._finished.append(job)
+        peer.jobs.clear()
+        peer.suspect = False  # later jobs try again
 
     def _drop_cancelled(self) -> bool:
         """Take cancelled jobs out of their queues now, not when they reach the front."""
@@ -144,51 +258,6 @@ class TransferPump:
         if self._finished:
             self.loop.call_soon_threadsafe(_deliver, self._finished)
             self._finished = []
-
-    def _fill(self, peer_name: str, peer: _Peer) -> bool:
-        progressed = False
-        while peer.jobs and len(peer.in_flight) < self.window:
-            job = peer.jobs[0]
-            if job.cancelled or job.error or job.next >= len(job.blocks):
-                peer.jobs.popleft()
-                job.queued = False
-                if job._finished():
-                    self._finished.append(job)
-                continue
-            start = job.next
-            end = min(len(job.blocks), start + self.window - len(peer.in_flight))
-            b = job.blocks
-            handles = self.transport.submit(
-                peer_name, b.src[start:end].tolist(), b.dst[start:end].tolist(), b.length[start:end].tolist()
-            )
-            job.next = end
-            self.blocks_submitted += end - start
-            for offset, handle in enumerate(handles):
-                if handle == 0:
-                    job.error = job.error or f"transfer engine refused block {start + offset} to {peer_name}"
-                else:
-                    peer.in_flight.append((handle, job, int(b.length[start + offset])))
-                    job.in_flight += 1
-            progressed = True
-        return progressed
-
-    def _drain(self, peer: _Peer) -> bool:
-        progressed = False
-        while peer.in_flight:
-            handle, job, nbytes = peer.in_flight[0]
-            status = self.transport.poll(handle)
-            if status is Status.PENDING:
-                break
-            peer.in_flight.popleft()
-            job.in_flight -= 1
-            progressed = True
-            if status is Status.FAILED:
-                job.error = job.error or f"transfer engine reported a failed write to {job.peer}"
-            else:
-                self.bytes_done += nbytes
-            if job._finished() and not job.queued:
-                self._finished.append(job)
-        return progressed
 
     def _fail_everything(self, reason: str) -> None:
         for peer in self._peers.values():

@@ -31,6 +31,7 @@ from .protocol import (
     ErrorCode,
     Expect,
     FreeSlot,
+    GetStats,
     Message,
     Ok,
     Poll,
@@ -42,6 +43,7 @@ from .protocol import (
     Send,
     ShmHandle,
     SlotGrant,
+    Stats,
     Welcome,
     tag_of,
 )
@@ -101,13 +103,15 @@ class RoomService:
             return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
         except Exception as exc:  # H1: a bug answers this request and nothing else
             room = getattr(msg, "room", 0)
-            self.failures["internal"] += 1
+            self.count_failure("internal")
             log.exception("internal error handling %s for room %s", type(msg).__name__, room)
             return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
 
     def _dispatch(self, identity: bytes, msg: Message) -> Message:
         if isinstance(msg, Poll):
             return self.status(self.rooms.get(msg.room), msg.req)
+        if isinstance(msg, GetStats):
+            return self.stats(msg.req)
         if isinstance(msg, AllocSlot):
             slot = self._aux().slots.allocate(self.clock())
             return SlotGrant(req=msg.req, slot=slot.index, generation=slot.generation, payload_bytes=self._aux().payload_bytes)
@@ -245,17 +249,37 @@ class RoomService:
         now = self.clock()
         if not self.rooms.apply(room, Event.FAIL, now, code=code, reason=reason):
             return False
-        self.failures[code.value] += 1
+        self.count_failure(code.value)
         log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason)
         if room.slot >= 0 and self.aux is not None:
             slot = self.aux.slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.ARMED, SlotState.WRITTEN):
-                self.aux.slots.quarantine(room.slot, room.generation, now, now + self.config.fence_timeout)
+                self.aux.slots.quarantine(room.slot, room.generation, now, self.fence_deadline(room, now))
         room.fenced = self.stop_writes(room)
         if room.fenced:
             self._fence_slot(room)
         self.push(room, self.engine_of(room))
         return True
+
+    def fence_deadline(self, room: Room, now: float) -> float:
+        """When a failed room's slot is released if its writer never confirms."""
+        return now + self.config.fence_timeout
+
+    def count_failure(self, reason: str) -> None:
+        self.failures[reason] += 1
+
+    def stats(self, req: int = 0) -> Stats:
+        slots = self.aux.slots.counts() if self.aux is not None else {}
+        return Stats(
+            req=req,
+            rooms={state.value: n for state, n in self.rooms.counts().items()},
+            slots={state.value: n for state, n in slots.items()},
+            failures=dict(self.failures),
+            peers=self.peer_count(),
+        )
+
+    def peer_count(self) -> int:
+        raise NotImplementedError
 
     def stop_writes(self, room: Room) -> bool:
         """Hook: stop whatever may still write for ``room`` and tell the peer. Return

@@ -1,19 +1,27 @@
 """ZMQ sockets and framing; no business logic.
 
-Every message is a single ZMQ frame of MessagePack. Routers receive
-``[identity, payload]``. Sizes are bounded twice: ZMQ drops a connection whose
-message exceeds twice the limit before it is buffered, and anything over the
-limit itself is refused with an error reply by the caller.
+Engine messages are one frame of MessagePack. Peer messages are two frames:
+an envelope (the sender's incarnation and, with a cluster secret, an HMAC) and the
+payload. Routers receive ``[identity, *frames]``. Sizes are bounded twice: ZMQ drops
+a connection whose message exceeds twice the limit before it is buffered, and
+anything over the limit itself is refused with an error reply by the caller.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import stat
 
+import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .errors import BadMessage, PdxferError
+from .protocol import Envelope, ErrorCode
 
 log = logging.getLogger("pdxfer.wire")
 
@@ -41,6 +49,42 @@ def prepare_ipc(endpoint: str) -> None:
 def restrict_ipc(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         os.chmod(endpoint[len("ipc://") :], 0o600)
+
+
+class Unauthenticated(PdxferError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+MAC_BYTES = 16
+
+
+class Seal:
+    """Signs and checks peer envelopes. Without a secret it only names the sender."""
+
+    def __init__(self, incarnation: str, secret: bytes = b"") -> None:
+        self.incarnation = incarnation
+        self.secret = secret
+        self._decoder = msgspec.msgpack.Decoder(Envelope)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def _mac(self, incarnation: str, payload: bytes) -> bytes:
+        return hmac.new(self.secret, incarnation.encode() + b"\0" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+    def seal(self, payload: bytes) -> list[bytes]:
+        mac = self._mac(self.incarnation, payload) if self.secret else b""
+        return [self._encoder.encode(Envelope(self.incarnation, mac)), payload]
+
+    def open(self, frames: list[bytes]) -> tuple[str, bytes]:
+        """(sender incarnation, payload), or BadMessage / Unauthenticated."""
+        if len(frames) != 2:
+            raise BadMessage(f"a peer message has 2 frames (envelope, payload), not {len(frames)}")
+        try:
+            env = self._decoder.decode(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadMessage(f"cannot decode the envelope: {exc}") from None
+        if self.secret and not hmac.compare_digest(env.mac, self._mac(env.incarnation, frames[1])):
+            raise Unauthenticated("message not signed with this cluster's secret")
+        return env.incarnation, frames[1]
 
 
 class Router:
@@ -72,10 +116,10 @@ class Router:
         frames = await self.sock.recv_multipart(copy=True)
         return frames[0], frames[1:]
 
-    def send(self, identity: bytes, payload: bytes) -> bool:
+    def send(self, identity: bytes, *frames: bytes) -> bool:
         """Queue a message; False if that identity is gone or its queue is full."""
         try:
-            self.sock.send_multipart((identity, payload), flags=zmq.NOBLOCK, copy=len(payload) < 65536)
+            self.sock.send_multipart((identity, *frames), flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
             return True
         except zmq.ZMQError as exc:
             log.debug("dropped a message to %r: %s", identity, exc)
@@ -97,26 +141,37 @@ class Dealer:
         self.max_bytes = max_bytes
         self.hwm = hwm
         self.sock: zmq.asyncio.Socket | None = None
+        self.monitor: zmq.asyncio.Socket | None = None
 
     def start(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         _tune(sock, self.max_bytes, self.hwm)
         sock.setsockopt(zmq.IDENTITY, self.identity)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self.sock = sock
 
     async def recv(self) -> list[bytes]:
         return await self.sock.recv_multipart(copy=True)
 
-    def send(self, payload: bytes) -> bool:
+    async def connection_event(self) -> str:
+        """'connected' or 'disconnected', as TCP connections to the peer come and go."""
+        event = parse_monitor_message(await self.monitor.recv_multipart())
+        return "connected" if event["event"] == zmq.EVENT_CONNECTED else "disconnected"
+
+    def send(self, *frames: bytes) -> bool:
         try:
-            self.sock.send(payload, flags=zmq.NOBLOCK, copy=len(payload) < 65536)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
             return True
         except zmq.ZMQError as exc:
             log.debug("dropped a message to %s: %s", self.endpoint, exc)
             return False
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.monitor = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None

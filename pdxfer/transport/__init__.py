@@ -1,14 +1,18 @@
 """Transports move bytes between registered memory of two daemons.
 
 The daemon talks to one through this small interface, always from the transfer pump's
-thread (see pump.py), so an implementation may block and need not be thread-safe
-beyond that. ``mooncake.MooncakeTransport`` is the real one.
+thread (see pump.py), except ``register`` which start-up and registrations call from
+a worker thread. ``mooncake.MooncakeTransport`` is the real one;
+``faults.FaultInjectingTransport`` wraps it to inject faults the real one cannot be
+made to produce on demand (tests only).
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Protocol
+
+PROBE_BYTES = 64
 
 
 class Status(enum.IntEnum):
@@ -18,6 +22,8 @@ class Status(enum.IntEnum):
 
 
 class Transport(Protocol):
+    scratch: int  # address of a small registered buffer: probes are written from [0, 64) into a peer's [64, 128)
+
     def start(self) -> str:
         """Initialise; return the session id peers use to address this transport."""
 
@@ -32,5 +38,12 @@ class Transport(Protocol):
 
     def poll(self, handle: int) -> Status:
         """A handle's status. DONE and FAILED consume the handle: never poll it again."""
+
+    def probe(self, peer: str, dst: int) -> bool:
+        """Write PROBE_BYTES from our scratch to ``dst`` at ``peer`` and wait: is the session usable?"""
+
+    def reset(self) -> str:
+        """Replace every session (re-create the engine, re-register memory); return the new session id.
+        Called only with nothing in flight."""
 
     def close(self) -> None: ...

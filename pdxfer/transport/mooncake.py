@@ -5,16 +5,30 @@ with ``transfer_check_status``: both return at once, whereas the engine's batch 
 synchronous calls spin a core until the whole batch is done (and
 ``transfer_check_status`` only looks at the first block of a multi-block batch).
 The engine is imported here only, so the rest of pdxfer runs without it.
+
+A session to a peer can break inside the engine (seen here: after a batch over the
+per-peer queue limit, every later write to that peer failed). ``reset`` replaces
+the engine and re-registers everything; the pump calls it when a probe fails.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
+import numpy as np
+
 from ..errors import Unsupported
 from ..paths import ENGINE_PROTOCOL
-from . import Status
+from . import PROBE_BYTES, Status
+
+log = logging.getLogger("pdxfer.transport")
 
 # transfer_check_status: 1 completed, 0 pending, -1 failed, -2 timed out.
 _STATUS = {1: Status.DONE, 0: Status.PENDING, -1: Status.FAILED, -2: Status.FAILED}
+SCRATCH_BYTES = 4096
+PROBE_TIMEOUT = 2.0
 
 
 def load_engine_class():
@@ -35,9 +49,16 @@ class MooncakeTransport:
         self.protocol = protocol
         self.devices = devices
         self.metadata = metadata
+        self.scratch = 0
+        self.session = ""
+        self.resets = 0
         self._engine = None
+        self._retired: list = []  # replaced engines, kept so their teardown cannot race live writes
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._scratch = np.zeros(SCRATCH_BYTES, np.uint8)
 
-    def start(self) -> str:
+    def _new_engine(self):
         engine = load_engine_class()()
         rc = engine.initialize(self.host, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
         if rc != 0:
@@ -45,16 +66,27 @@ class MooncakeTransport:
                 f"transfer engine failed to initialise protocol {self.protocol} on {self.host} (code {rc}); "
                 "see the engine's log lines above"
             )
-        self._engine = engine
-        return f"{self.host}:{engine.get_rpc_port()}"
+        return engine
+
+    def start(self) -> str:
+        with self._lock:
+            self._engine = self._new_engine()
+            self.session = f"{self.host}:{self._engine.get_rpc_port()}"
+        self.scratch = int(self._scratch.ctypes.data)
+        self.register(self.scratch, SCRATCH_BYTES)
+        return self.session
 
     def register(self, address: int, length: int) -> None:
-        rc = self._engine.register_memory(address, length)
-        if rc != 0:
-            raise Unsupported(f"transfer engine refused to register {length} bytes at {address:#x} (code {rc})")
+        with self._lock:
+            rc = self._engine.register_memory(address, length)
+            if rc != 0:
+                raise Unsupported(f"transfer engine refused to register {length} bytes at {address:#x} (code {rc})")
+            self._registered[address] = length
 
     def unregister(self, address: int) -> None:
-        self._engine.unregister_memory(address)
+        with self._lock:
+            self._registered.pop(address, None)
+            self._engine.unregister_memory(address)
 
     def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
         write = self._engine.transfer_submit_write
@@ -63,5 +95,31 @@ class MooncakeTransport:
     def poll(self, handle: int) -> Status:
         return _STATUS.get(self._engine.transfer_check_status(handle), Status.FAILED)
 
+    def probe(self, peer: str, dst: int) -> bool:
+        handle = self._engine.transfer_submit_write(peer, self.scratch, dst, PROBE_BYTES)
+        if handle == 0:
+            return False
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while time.monotonic() < deadline:
+            status = self.poll(handle)
+            if status is not Status.PENDING:
+                return status is Status.DONE
+            time.sleep(0.001)
+        return False  # the handle stays with the engine; it is retired on reset
+
+    def reset(self) -> str:
+        with self._lock:
+            engine = self._new_engine()
+            for address, length in self._registered.items():
+                if engine.register_memory(address, length) != 0:
+                    raise Unsupported(f"re-registering {length} bytes at {address:#x} failed after an engine reset")
+            self._retired.append(self._engine)
+            self._engine = engine
+            self.session = f"{self.host}:{engine.get_rpc_port()}"
+            self.resets += 1
+        log.warning("transfer engine re-created (reset %d); new session %s", self.resets, self.session)
+        return self.session
+
     def close(self) -> None:
         self._engine = None
+        self._retired.clear()
