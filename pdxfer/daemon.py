@@ -75,7 +75,7 @@ class Daemon:
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self.engine_endpoint = self._engine.start()
-        self.pump = TransferPump(self.transport, cfg.peer_window, loop)
+        self.pump = TransferPump(self.transport, self._window(), loop)
         self.service = self._make_service()
         self.pump.on_reset = self._transport_reset
         self.pump.start()
@@ -87,6 +87,18 @@ class Daemon:
             "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
             cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
         )
+
+    def _window(self) -> int:
+        """Writes in flight per peer: the configured window, kept at half the engine's
+        own per-peer queue so that queue never refuses us."""
+        from .transport.mooncake import peer_queue_limit
+
+        limit = peer_queue_limit(self.config.protocol, os.environ)
+        if limit is not None and self.config.peer_window > limit // 2:
+            window = max(1, limit // 2)
+            log.warning("peer window %d is above half the transfer engine's per-peer queue (%d): using %d", self.config.peer_window, limit, window)
+            return window
+        return self.config.peer_window
 
     def _make_service(self):
         cfg = self.config

@@ -89,6 +89,7 @@ class DecodeWork:
     pages: np.ndarray
     started: float = 0.0  # when we learnt the prefill began writing
     peer_fenced: bool = False  # the prefill said it has no write in flight for this room
+    peer_failed: bool = False  # the failure came from the prefill: it knows
     first_check: float = 0.0  # first verification attempt of the aux record
 
 
@@ -219,7 +220,8 @@ class DecodeService(RoomService):
         elif isinstance(msg, AuxRecord):
             self._aux_record(link, room, msg)
         elif isinstance(msg, RoomFailed):
-            self.work[room.id].peer_fenced = msg.fenced
+            w = self.work[room.id]
+            w.peer_fenced, w.peer_failed = msg.fenced, True
             if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and msg.fenced:
                 self.fenced(room)
         else:
@@ -387,10 +389,13 @@ class DecodeService(RoomService):
 
     def stop_writes(self, room: Room) -> bool:
         w = self.work.get(room.id)
-        if w is None or w.peer_fenced:
+        if w is None:
             return True
-        # Tell the prefill; its RoomFailed(fenced) reply, or the lease, fences us.
-        self.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        if not w.peer_failed:  # the prefill must learn it, or it waits for an ack until its timeout
+            self.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        if w.peer_fenced:
+            return True
+        # Its RoomFailed(fenced) reply, or the lease, fences us.
         link = self.links.get(w.link)
         if link is not None and room.slot >= 0:
             link.unfenced.add((room.slot, room.generation))

@@ -59,13 +59,15 @@ class DaemonProcess:
         return self.proc.returncode
 
 
-def start_daemon(role: str, runtime_dir: str, *flags: str, name: str = "", stderr=None, timeout: float = 30.0) -> DaemonProcess:
-    """Run ``pdxfer serve`` and wait for its ready line."""
+def start_daemon(
+    role: str, runtime_dir: str, *flags: str, name: str = "", stderr=None, timeout: float = 30.0, env: dict | None = None
+) -> DaemonProcess:
+    """Run ``pdxfer serve`` and wait for its ready line (``env``: extra variables)."""
     name = name or role
     argv = [sys.executable, "-m", "pdxfer", "serve", "--role", role, "--name", name, "--runtime-dir", runtime_dir]
     if role == "prefill" and "--bootstrap-port" not in flags:
         argv += ["--bootstrap-port", "0"]
-    proc = subprocess.Popen(argv + list(flags), stdout=subprocess.PIPE, stderr=stderr, env=_env(), text=True)
+    proc = subprocess.Popen(argv + list(flags), stdout=subprocess.PIPE, stderr=stderr, env={**_env(), **(env or {})}, text=True)
     line = _read_line(proc, timeout)
     if line is None:
         if proc.poll() is None:

@@ -124,6 +124,9 @@ class PrefillService(RoomService):
             raise errors.DuplicateRoom(f"send() for room {msg.room} was already made", room=msg.room)
         if room is not None and room.finished:
             raise PdxferError(f"room {msg.room} already failed before send(): {room.reason}", room=msg.room, code=room.code)
+        if room is None and msg.room in self.finished:
+            state, code, reason = self.finished[msg.room]
+            raise PdxferError(f"room {msg.room} already {state.value} before send(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
         created = room is None
         if created:
             room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
@@ -228,6 +231,11 @@ class PrefillService(RoomService):
     def _request(self, peer: DecodePeer, msg: RoomRequest) -> None:
         room = self.rooms.find(msg.room)
         w = self.work.get(msg.room)
+        if room is None and msg.room in self.finished:
+            state, code, reason = self.finished[msg.room]
+            why = f"the prefill engine already finished this room ({state.value}{': ' + reason if reason else ''})"
+            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=code or ErrorCode.UNKNOWN_ROOM, reason=why, fenced=True))
+            return
         if room is not None and room.finished and not (w and w.peer):
             # Failed before the decode side showed up: tell it, with nothing in flight.
             self.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))

@@ -6,12 +6,13 @@ polls completions oldest first, and reports each job back on the event loop exac
 once, after every block it submitted has settled. That last point is what fencing
 relies on: when a job's callback runs, no write of that job can still land.
 
-Faults. The transfer engine rejects a peer's queue past its limit, and a session can
-break inside it. So a failed write halves that peer's window (it grows back by one
-per completed write), and marks the peer suspect: once its writes drained, the pump
-probes it with a small write; if the probe fails, it drains every peer, re-creates
-the transport (``Transport.reset``) and probes again. Only the jobs whose writes
-failed fail; later ones go through the recovered session.
+Faults. The transfer engine rejects writes past a peer's queue limit, and a session
+can break inside it. A failed write halves that peer's window (it grows back by one
+per window of completed writes) and marks the peer suspect: once its writes drained,
+the pump probes it with a small write; if the probe fails, it drains every peer,
+re-creates the transport (``Transport.reset``) and probes again. A failed block is
+written again (writes are idempotent: same bytes, same place) up to a per-job
+budget; a job that exhausts it fails, and only its room fails.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .transport import Status, Transport
 log = logging.getLogger("pdxfer.pump")
 
 IDLE_POLL_MAX = 0.001  # longest sleep between polls while writes are in flight
+RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 
 
 @dataclass(eq=False)
@@ -41,6 +43,8 @@ class Job:
     deadline: float = 0.0  # monotonic time after which no block of it is submitted (its lease); 0: none
     probe: int = 0  # the peer's probe address, for checking a suspect session
     next: int = 0  # next block to submit
+    retry: deque = field(default_factory=deque)  # failed blocks to write again, first
+    retries: int = 0
     in_flight: int = 0
     error: str = ""
     cancelled: bool = False
@@ -53,16 +57,18 @@ class Job:
         return not self.error and not self.cancelled
 
     def _finished(self) -> bool:
-        return self.in_flight == 0 and (self.next >= len(self.blocks) or bool(self.error) or self.cancelled)
+        done = self.next >= len(self.blocks) and not self.retry
+        return self.in_flight == 0 and (done or bool(self.error) or self.cancelled)
 
 
 @dataclass(eq=False)
 class _Peer:
     window: int
     jobs: deque = field(default_factory=deque)  # jobs with blocks still to submit
-    in_flight: deque = field(default_factory=deque)  # (handle, job, bytes), oldest first
+    in_flight: deque = field(default_factory=deque)  # (handle, job, block index), oldest first
     suspect: bool = False  # a write failed: probe before submitting more
     probe: int = 0
+    credit: int = 0  # completions since the window last grew
 
 
 class TransferPump:
@@ -154,30 +160,33 @@ class TransferPump:
     def _fill(self, peer_name: str, peer: _Peer) -> bool:
         progressed = False
         now = time.monotonic()
-        while peer.jobs and len(peer.in_flight) < peer.window:
+        while peer.jobs and len(peer.in_flight) < peer.window and not peer.suspect:
             job = peer.jobs[0]
-            if job.deadline and now > job.deadline and not job.error and job.next < len(job.blocks):
-                job.error = f"lease expired with {len(job.blocks) - job.next} of {len(job.blocks)} blocks unsent"
-            if job.cancelled or job.error or job.next >= len(job.blocks):
+            unsent = len(job.blocks) - job.next + len(job.retry)
+            if job.deadline and now > job.deadline and not job.error and unsent:
+                job.error = f"lease expired with {unsent} of {len(job.blocks)} blocks unsent"
+            if job.cancelled or job.error or not unsent:
                 peer.jobs.popleft()
                 job.queued = False
                 if job._finished():
                     self._finished.append(job)
                 continue
-            start = job.next
-            end = min(len(job.blocks), start + peer.window - len(peer.in_flight))
+            room = peer.window - len(peer.in_flight)
+            if job.retry:
+                indices = [job.retry.popleft() for _ in range(min(room, len(job.retry)))]
+            else:
+                indices = list(range(job.next, min(len(job.blocks), job.next + room)))
+                job.next = indices[-1] + 1
             b = job.blocks
             handles = self.transport.submit(
-                peer_name, b.src[start:end].tolist(), b.dst[start:end].tolist(), b.length[start:end].tolist()
+                peer_name, b.src[indices].tolist(), b.dst[indices].tolist(), b.length[indices].tolist()
             )
-            job.next = end
-            self.blocks_submitted += end - start
-            for offset, handle in enumerate(handles):
+            self.blocks_submitted += len(indices)
+            for index, handle in zip(indices, handles):
                 if handle == 0:
-                    job.error = job.error or f"transfer engine refused block {start + offset} to {peer_name}"
-                    self._write_failed(peer_name, peer)
+                    self._write_failed(peer_name, peer, job, index, "refused")
                 else:
-                    peer.in_flight.append((handle, job, int(b.length[start + offset])))
+                    peer.in_flight.append((handle, job, index))
                     job.in_flight += 1
             progressed = True
         return progressed
@@ -185,7 +194,7 @@ class TransferPump:
     def _drain(self, peer: _Peer) -> bool:
         progressed = False
         while peer.in_flight:
-            handle, job, nbytes = peer.in_flight[0]
+            handle, job, index = peer.in_flight[0]
             status = self.transport.poll(handle)
             if status is Status.PENDING:
                 break
@@ -193,21 +202,37 @@ class TransferPump:
             job.in_flight -= 1
             progressed = True
             if status is Status.FAILED:
-                job.error = job.error or f"transfer engine reported a failed write to {job.peer}"
-                self._write_failed(job.peer, peer)
+                self._write_failed(job.peer, peer, job, index, "reported failed")
             else:
-                self.bytes_done += nbytes
-                peer.window = min(self.window, peer.window + 1)
+                self.bytes_done += int(job.blocks.length[index])
+                peer.credit += 1
+                if peer.credit >= peer.window:  # additive increase: one block per window completed
+                    peer.credit = 0
+                    peer.window = min(self.window, peer.window + 1)
             if job._finished() and not job.queued:
                 self._finished.append(job)
         return progressed
 
-    def _write_failed(self, peer_name: str, peer: _Peer) -> None:
+    def _write_failed(self, peer_name: str, peer: _Peer, job: Job, index: int, how: str) -> None:
+        """A block was refused or failed: write it again if the job's budget allows
+        (nothing was or will be written twice to another place), else fail the job."""
         self.failed_writes += 1
-        if not peer.suspect:
+        first = not peer.suspect  # the first failure of an episode; the rest share its cause
+        if first:
             peer.window = max(1, peer.window // 2)
-            log.warning("a write to %s failed: window down to %d, probing the session once writes drain", peer_name, peer.window)
+            peer.credit = 0
+            log.warning("a write to %s %s: window down to %d, probing the session once writes drain", peer_name, how, peer.window)
         peer.suspect = True
+        if job.error or job.cancelled:
+            return
+        if job.retries < RETRY_BUDGET:
+            job.retries += first
+            job.retry.append(index)
+            if not job.queued:
+                peer.jobs.appendleft(job)
+                job.queued = True
+            return
+        job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
 
     def _check(self, peer_name: str, peer: _Peer) -> None:
         """A suspect peer with nothing in flight: is its session still usable?"""
@@ -260,7 +285,11 @@ class TransferPump:
             self._finished = []
 
     def _fail_everything(self, reason: str) -> None:
+        """After an unexpected error the pump no longer knows what is in flight: fail
+        every job as abandoned (their rooms fence only by lease) and probe every
+        session before using it again."""
         for peer in self._peers.values():
+            peer.suspect = True
             jobs = {id(j): j for j in peer.jobs}
             jobs.update({id(j): j for _, j, _ in peer.in_flight})
             for job in jobs.values():

@@ -75,6 +75,7 @@ class RoomService:
         self.kv: KVPool | None = None
         self.aux: AuxBuffer | None = None
         self.retired: list = []  # replaced mappings, closed when the daemon stops
+        self.finished: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # released rooms: (state, code, reason)
         self.session = ""  # transfer engine session id, set by the daemon
         self.bootstrap_address = ""
         self.failures: collections.Counter[str] = collections.Counter()
@@ -151,24 +152,27 @@ class RoomService:
     async def _register_kv(self, msg: RegisterKV) -> Message:
         kind = tag_of(msg.memory)
         paths.check_pool(self.config.protocol, self.config.device, kind)
-        if self.kv is not None and msg.memory_version <= self.kv.version:
+        old = self.kv
+        same = old is not None and old.handle == msg.memory
+        if same and msg.memory_version <= old.version:
             raise errors.StaleMemoryVersion(
-                f"new registration must have a memory version above {self.kv.version}, got {msg.memory_version}"
+                f"re-registering the same pool needs a memory version above {old.version}, got {msg.memory_version}"
             )
         need = KVPool.required_bytes(msg.layout)
         if msg.memory.size < need:
             raise errors.InsufficientCapacity(f"the layout needs {need} bytes but the pool has {msg.memory.size}")
-        old = self.kv
-        if old is not None and old.handle == msg.memory:
+        if same:
             mapped = old.memory  # same memory, new version: the engine moved pages within it
         else:
             mapped = await self._map(msg.memory)
             if old is not None:
-                # Writes of the rooms failed below may still read it; unmapped at stop.
+                # Writes of the rooms failed below may still touch it; unmapped at stop.
                 self.retired.append(old.memory)
         self.kv = KVPool(mapped, msg.layout, msg.memory_version, kind, msg.memory)
-        if old is not None:
-            self._fail_stale(old.version)
+        if same:
+            self._fail_live(f"the engine re-registered its KV pool (memory version {old.version} -> {msg.memory_version})", old.version)
+        elif old is not None:
+            self._fail_live("the engine registered a new KV pool (a restarted engine?)")
         log.info("registered KV pool: %s, %d layers, %d pages of %d tokens, memory version %d",
                  msg.layout.layout.value, msg.layout.num_layers, msg.layout.num_pages, msg.layout.page_size, msg.memory_version)
         self.on_kv_registered()
@@ -177,15 +181,16 @@ class RoomService:
     async def _register_aux(self, msg: RegisterAux) -> Message:
         if not isinstance(msg.memory, ShmHandle):
             raise errors.Unsupported("aux buffers live in host shared memory (shm handles only)")
-        if self.aux is not None and any(not r.finished for r in self.rooms):
-            raise errors.BadMessage("cannot replace the aux buffer while rooms are live")
         if msg.memory.size < msg.num_slots * msg.slot_bytes:
             raise errors.InsufficientCapacity(
                 f"{msg.num_slots} slots of {msg.slot_bytes} bytes need {msg.num_slots * msg.slot_bytes} bytes, the buffer has {msg.memory.size}"
             )
+        mapped = await self._map(msg.memory)
         if self.aux is not None:
+            # The old slots' rooms cannot finish; late writes land in the retired mapping.
+            self._fail_live("the engine registered a new aux buffer (a restarted engine?)")
             self.retired.append(self.aux.memory)
-        self.aux = AuxBuffer(await self._map(msg.memory), msg.num_slots, msg.slot_bytes)
+        self.aux = AuxBuffer(mapped, msg.num_slots, msg.slot_bytes)
         log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
         self.on_kv_registered()
         return Ok(req=msg.req)
@@ -203,11 +208,12 @@ class RoomService:
     def on_kv_registered(self) -> None:
         """Hook: the decode role re-announces its pools to its peers."""
 
-    def _fail_stale(self, old_version: int) -> None:
-        """C3: rooms planned against a replaced registration fail before more bytes move."""
+    def _fail_live(self, reason: str, version: int | None = None) -> None:
+        """C3: live rooms planned against a replaced registration (all of them, or those
+        at or below ``version``) fail before more bytes move."""
         for room in list(self.rooms):
-            if not room.finished and self.room_memory_version(room) <= old_version:
-                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"the engine re-registered its KV pool (memory version {old_version} -> {self.kv.version}) while this room was {room.state.value}")
+            if not room.finished and (version is None or self.room_memory_version(room) <= version):
+                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"{reason} while this room was {room.state.value}")
 
     def room_memory_version(self, room: Room) -> int:
         raise NotImplementedError
@@ -258,7 +264,11 @@ class RoomService:
         room.fenced = self.stop_writes(room)
         if room.fenced:
             self._fence_slot(room)
-        self.push(room, self.engine_of(room))
+        engine = self.engine_of(room)
+        if engine:
+            self.push(room, engine)
+        elif room.fenced:
+            self.drop(room)  # no engine ever joined this room: nobody would release it
         return True
 
     def fence_deadline(self, room: Room, now: float) -> float:
@@ -292,7 +302,11 @@ class RoomService:
             return
         room.fenced = True
         self._fence_slot(room)
-        self.push(room, self.engine_of(room))
+        engine = self.engine_of(room)
+        if engine:
+            self.push(room, engine)
+        elif self.rooms.find(room.id) is room:
+            self.drop(room)
 
     def _fence_slot(self, room: Room) -> None:
         if room.slot >= 0 and self.aux is not None:
@@ -304,9 +318,14 @@ class RoomService:
             self.push(room, self.engine_of(room))
 
     def drop(self, room: Room) -> None:
-        """Forget a finished room; its slot returns to the pool unless quarantined."""
+        """Forget a finished room; its slot returns to the pool unless quarantined. Its
+        outcome is remembered for a while (bounded), so a peer asking about it late
+        gets an answer instead of a new, orphan room."""
         self.rooms.remove(room.id)
         self.forget(room)
+        self.finished[room.id] = (room.state, room.code, room.reason)
+        if len(self.finished) > self.config.max_rooms:
+            self.finished.popitem(last=False)
         if room.slot >= 0 and self.aux is not None:
             slot = self.aux.slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.GRANTED, SlotState.ARMED, SlotState.WRITTEN):

@@ -39,9 +39,9 @@ def daemons(runtime_dir, tmp_path):
     must exit cleanly (a crash in a daemon fails the test that caused it)."""
     started = []
 
-    def start(role: str, *flags: str, name: str = ""):
+    def start(role: str, *flags: str, name: str = "", env: dict | None = None):
         log = open(tmp_path / f"{name or role}-{len(started)}.log", "w")
-        daemon = start_daemon(role, runtime_dir, "--log-level", "info", *flags, name=name, stderr=log)
+        daemon = start_daemon(role, runtime_dir, "--log-level", "info", *flags, name=name, stderr=log, env=env)
         daemon.log_path = log.name
         started.append(daemon)
         return daemon

@@ -11,11 +11,16 @@ it reports, to produce faults the engine cannot be made to produce on demand:
   to the same place again up to MS later: a late write for a slot that may have been
   reused since;
 * ``fail=P``      report the block failed without writing it;
+* ``raise=P``     raise from poll(), as a bug in a transport binding would;
 * ``break_after=N`` after N blocks, push an over-limit batch through the real
-  engine's batch API, which leaves its session to that peer broken (a real fault).
+  engine's batch API (the same block, so nothing but its own bytes can land). Here
+  that sometimes leaves the engine's session to the peer broken: a real fault;
+* ``broken_after=N`` after N blocks, fail every write and probe until ``reset``: the
+  broken session, deterministically.
 
 Spec: comma-separated, e.g. ``delay=0.3:5,ghost=0.2:20,fail=0.01``. Seeded, so a
-failing run can be repeated with ``seed=S``.
+failing run can be repeated with ``seed=S``. Late writes are issued by a thread of
+the wrapper's own, so they land on time even while the pump is idle.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import heapq
 import itertools
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,7 +51,9 @@ class FaultSpec:
     early: tuple[float, float] = (0.0, 0.0)
     ghost: tuple[float, float] = (0.0, 0.0)
     fail: float = 0.0
+    raise_: float = 0.0
     break_after: int = 0
+    broken_after: int = 0
     seed: int = 0
 
     @classmethod
@@ -56,12 +64,12 @@ class FaultSpec:
             if name in ("delay", "early", "ghost"):
                 p, _, ms = value.partition(":")
                 fields[name] = (float(p), float(ms or 0) / 1000)
-            elif name == "fail":
-                fields[name] = float(value)
-            elif name in ("break_after", "seed"):
+            elif name in ("fail", "raise"):
+                fields[name.replace("raise", "raise_")] = float(value)
+            elif name in ("break_after", "broken_after", "seed"):
                 fields[name] = int(value)
             else:
-                raise ValueError(f"unknown fault {name!r} in {text!r} (known: delay, early, ghost, fail, break_after, seed)")
+                raise ValueError(f"unknown fault {name!r} in {text!r} (known: delay, early, ghost, fail, raise, break_after, broken_after, seed)")
         return cls(**fields)
 
 
@@ -69,7 +77,7 @@ class FaultInjectingTransport:
     def __init__(self, inner: Transport, spec: FaultSpec) -> None:
         self.inner = inner
         self.spec = spec
-        self.injected: dict[str, int] = {"delay": 0, "early": 0, "ghost": 0, "fail": 0, "break": 0}
+        self.injected: dict[str, int] = {"delay": 0, "early": 0, "ghost": 0, "fail": 0, "raise": 0, "break": 0, "broken": 0}
         self._rng = random.Random(spec.seed)
         self._fake = itertools.count(_FAKE_BASE)
         self._fake_status: dict[int, Status] = {}
@@ -81,6 +89,11 @@ class FaultInjectingTransport:
         self._ghost_buf = np.zeros(GHOST_MAX * GHOST_SLOTS, np.uint8)
         self._ghost_next = 0
         self._blocks = 0
+        self._repaired = False  # a reset ends the broken_after fault
+        self._lock = threading.Lock()  # guards _later; the late-write thread shares the engine
+        self._due = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._late_writes, name="pdxfer-faults", daemon=True)
 
     @property
     def scratch(self) -> int:
@@ -89,6 +102,7 @@ class FaultInjectingTransport:
     def start(self) -> str:
         session = self.inner.start()
         self.inner.register(int(self._ghost_buf.ctypes.data), self._ghost_buf.nbytes)
+        self._thread.start()
         log.warning("TESTING ONLY: injecting transport faults %s", self.spec)
         return session
 
@@ -110,7 +124,10 @@ class FaultInjectingTransport:
         for s, d, n in zip(src, dst, length):
             self._blocks += 1
             if self.spec.break_after and self._blocks == self.spec.break_after:
-                self._break(peer, d)
+                self._break(peer, s, d, n)
+            if self.spec.broken_after and self._blocks >= self.spec.broken_after and not self._repaired:
+                handles.append(self._fake_handle(Status.FAILED, "broken"))
+                continue
             if self.spec.fail and self._rng.random() < self.spec.fail:
                 handles.append(self._fake_handle(Status.FAILED, "fail"))
                 continue
@@ -133,7 +150,9 @@ class FaultInjectingTransport:
         return handles
 
     def poll(self, handle: int) -> Status:
-        self._run_due()
+        if self.spec.raise_ and self._rng.random() < self.spec.raise_:
+            self.injected["raise"] += 1
+            raise RuntimeError("injected fault: transport poll raised")
         if handle >= _FAKE_BASE:
             return self._fake_status.pop(handle)
         status = self._settled.pop(handle, None) or self.inner.poll(handle)
@@ -147,12 +166,19 @@ class FaultInjectingTransport:
         return status
 
     def probe(self, peer: str, dst: int) -> bool:
+        if self.spec.broken_after and self._blocks >= self.spec.broken_after and not self._repaired:
+            return False
         return self.inner.probe(peer, dst)
 
     def reset(self) -> str:
+        self._repaired = True
         return self.inner.reset()
 
     def close(self) -> None:
+        self._stopping = True
+        self._due.set()
+        self._thread.join(2)
+        log.warning("TESTING ONLY: injected faults %s", self.injected)
         self.inner.close()
 
     # --- internals
@@ -172,22 +198,34 @@ class FaultInjectingTransport:
         return address
 
     def _schedule(self, due: float, peer: str, src: int, dst: int, n: int) -> None:
-        heapq.heappush(self._later, (due, next(self._seq), peer, src, dst, n))
+        with self._lock:
+            heapq.heappush(self._later, (due, next(self._seq), peer, src, dst, n))
+        self._due.set()
 
-    def _run_due(self) -> None:
-        now = time.monotonic()
-        while self._later and self._later[0][0] <= now:
-            _, _, peer, src, dst, n = heapq.heappop(self._later)
-            self._background.extend(h for h in self.inner.submit(peer, [src], [dst], [n]) if h)
-        self._background = [h for h in self._background if self.inner.poll(h) is Status.PENDING]
+    def _late_writes(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                now = time.monotonic()
+                due = []
+                while self._later and self._later[0][0] <= now:
+                    due.append(heapq.heappop(self._later))
+                wait = self._later[0][0] - now if self._later else None
+            for _, _, peer, src, dst, n in due:
+                self._background.extend(h for h in self.inner.submit(peer, [src], [dst], [n]) if h)
+            self._background = [h for h in self._background if self.inner.poll(h) is Status.PENDING]
+            if self._background:
+                wait = 0.0005 if wait is None else min(wait, 0.0005)
+            self._due.wait(wait)
+            self._due.clear()
 
-    def _break(self, peer: str, dst: int) -> None:
-        """Push a batch far over the engine's per-peer queue through its batch API."""
+    def _break(self, peer: str, src: int, dst: int, n: int) -> None:
+        """Push a batch far over the engine's per-peer queue through its batch API.
+        It repeats one real block, so whatever of it lands late writes the right bytes."""
         engine = getattr(self.inner, "_engine", None)
         if engine is None:
             return
         count = 4096
-        batch = engine.batch_transfer_async_write(peer, [self.inner.scratch] * count, [dst] * count, [64] * count)
+        batch = engine.batch_transfer_async_write(peer, [src] * count, [dst] * count, [n] * count)
         if batch:
             engine.get_batch_transfer_status([batch])
         self.injected["break"] += 1

@@ -29,6 +29,17 @@ log = logging.getLogger("pdxfer.transport")
 _STATUS = {1: Status.DONE, 0: Status.PENDING, -1: Status.FAILED, -2: Status.FAILED}
 SCRATCH_BYTES = 4096
 PROBE_TIMEOUT = 2.0
+DEFAULT_TCP_QUEUE = 1024  # the engine's per-peer queue unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise
+
+
+def peer_queue_limit(protocol: str, env) -> int | None:
+    """How many writes the engine queues per peer before refusing more (tcp only)."""
+    if protocol != "tcp":
+        return None
+    try:
+        return max(1, int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", DEFAULT_TCP_QUEUE)))
+    except ValueError:
+        return DEFAULT_TCP_QUEUE
 
 
 def load_engine_class():
