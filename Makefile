@@ -13,10 +13,19 @@ STAMP := $(VENV)/.installed-$(MOONCAKE_EXTRA)
 APT_PACKAGES := libibverbs1 libnuma1
 PYTEST_ARGS ?=
 
-.PHONY: demo test deps system-deps schema clean
+.PHONY: demo bench soak test deps system-deps schema clean
 
 demo: deps
 	$(VENV)/bin/pdxfer demo
+
+# wire vs raw transfer engines vs pdxfer on loopback; a few minutes (`pdxfer bench --help`)
+bench: deps
+	$(VENV)/bin/pdxfer bench
+
+# minutes of rooms with every fault mixed in (`pdxfer soak --help`); not part of `make test`
+SOAK_MINUTES ?= 5
+soak: deps
+	$(VENV)/bin/pdxfer soak --minutes $(SOAK_MINUTES)
 
 test: deps
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -45,8 +45,11 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of the options below (env: PDXFER_CONFIG)")
     for name, default, desc in config_mod.fields():
         flag = "--" + name.replace("_", "-")
-        shown = "" if default is msgspec.NODEFAULT else f" (default: {default!r})"
         env = f"; env {config_mod.ENV_PREFIX}{name.upper()}"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=f"{desc}{env}")
+            continue
+        shown = "" if default is msgspec.NODEFAULT else f" (default: {default!r})"
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{desc}{shown}{env}")
 
 
@@ -81,6 +84,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from .soak import run_soak
+
+    return run_soak(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=1, help="random seed for prompts and page choices (default: 1)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.set_defaults(func=cmd_demo)
+
+    from .bench_args import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure pdxfer against raw transfer engines and a plain socket on loopback",
+        description=BENCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    from .soak import __doc__ as soak_doc, add_arguments as add_soak_arguments
+
+    soak = sub.add_parser(
+        "soak",
+        help="run rooms for minutes with every fault mixed in; report failures, corruptions and memory",
+        description=soak_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(func=cmd_soak)
     return parser
 
 

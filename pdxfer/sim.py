@@ -9,6 +9,10 @@ the integration tests and the benchmark drive them.
 Both engines derive the same room list from the seed, so no router is needed: room
 ids are random 64-bit values, prompts are 1..max_tokens tokens, and page choices are
 scattered so that coalescing has real work to do.
+
+For the benchmark, ``--plan FILE`` takes the rooms and both sides' page lists from a
+plan file (pdxfer.bench_plan) instead; ``--timings FILE`` records when each room's
+send()/expect() was called and when its wait() returned.
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ def page_pattern(room: int, region: int, nbytes: int) -> np.ndarray:
     seed = (room * 0x9E3779B97F4A7C15 + region * 0xBF58476D1CE4E5B9) % 2**64
     words = np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x94D049BB133111EB) + np.uint64(seed)
     return words.view(np.uint8)
+
+
+def fill_pages(arrays: list[np.ndarray], room: int, pages: np.ndarray) -> None:
+    """Write a room's pattern into its pages of every region."""
+    for r, arr in enumerate(arrays):
+        arr[pages] = page_pattern(room, r, pages.size * arr.shape[1]).reshape(pages.size, -1)
+
+
+def pages_match(arrays: list[np.ndarray], room: int, pages: np.ndarray) -> bool:
+    """Whether a room's pages of every region hold its pattern, byte for byte."""
+    for r, arr in enumerate(arrays):
+        got = arr[pages].reshape(-1)
+        if not np.array_equal(got, page_pattern(room, r, got.size)):
+            return False
+    return True
+
+
+def corrupt_one_byte(arrays: list[np.ndarray], pages: np.ndarray) -> None:
+    """Testing aid: flip one byte of these pages, as a faulty transfer might."""
+    arrays[0][pages[0], 0] ^= 0xFF
 
 
 def aux_record(room: int, tokens: int) -> bytes:
@@ -111,6 +135,26 @@ def layout_from(args) -> KVLayout:
     )
 
 
+def _rooms(args) -> tuple[list[RoomSpec], dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """The rooms to run and, with --plan, each room's (source, destination) pages."""
+    if not args.plan:
+        return room_plan(args.seed, args.rooms, args.max_tokens), {}
+    from .bench_plan import Plan
+
+    plan = Plan.load(args.plan)
+    if plan.num_pages > args.pages:
+        raise SystemExit(f"--plan needs pools of {plan.num_pages} pages, --pages is {args.pages}")
+    specs = [RoomSpec(i, r.room, r.tokens) for i, r in enumerate(plan.rooms)]
+    return specs, {i: (r.src, r.dst) for i, r in enumerate(plan.rooms)}
+
+
+def _save_timings(path: str, timings: list[tuple[int, float, float, bool]]) -> None:
+    if path:
+        rooms, starts, ends, ok = zip(*timings) if timings else ((), (), (), ())
+        np.savez(path, room=np.array(rooms, np.uint64), start=np.array(starts, np.float64),
+                 end=np.array(ends, np.float64), ok=np.array(ok, bool))
+
+
 async def _connect(args) -> tuple[AsyncClient, KVLayout]:
     client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}")
     await client.connect()
@@ -118,6 +162,15 @@ async def _connect(args) -> tuple[AsyncClient, KVLayout]:
     await client.create_kv_pool(layout)
     await client.create_aux_buffer(args.slots, AUX_RECORD_BYTES)
     return client, layout
+
+
+async def _give_back(client: AsyncClient, slot: Slot) -> None:
+    """Return a slot whose room never started; if the daemon bound it after all (a
+    reply that timed out), it is released with the room instead."""
+    try:
+        await client.free_slot(slot)
+    except errors.PdxferError:
+        pass
 
 
 async def _alloc_slot(client: AsyncClient) -> Slot:
@@ -132,34 +185,47 @@ async def run_prefill(args) -> dict:
     client, layout = await _connect(args)
     pages = PageAllocator(layout.num_pages, args.seed + 1)
     arrays = client.kv.arrays()
+    specs, fixed = _rooms(args)
+    for spec in specs if fixed else ():  # planned pages are never reused: fill them all now
+        fill_pages(arrays, spec.room, fixed[spec.index][0])
     outcome: dict[str, int] = {}
+    timings: list[tuple[int, float, float, bool]] = []
     gate = asyncio.Semaphore(args.in_flight)
     report = Reporter()
+    report.emit("ready", force=True)
 
     async def one(spec: RoomSpec) -> None:
         n = pages_for_tokens(spec.tokens, layout.page_size)
-        src = await pages.take(n)
+        src = fixed[spec.index][0] if fixed else await pages.take(n)
         try:
-            for r, arr in enumerate(arrays):
-                arr[src] = page_pattern(spec.room, r, n * arr.shape[1]).reshape(n, -1)
+            if not fixed:
+                fill_pages(arrays, spec.room, src)
             slot = await _alloc_slot(client)
             client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(spec.room, spec.tokens), np.uint8)
-            await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES)
+            t0 = time.monotonic()
+            try:
+                await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES)
+            except errors.PdxferError:
+                await _give_back(client, slot)
+                raise
             status = await client.wait(spec.room, timeout=args.room_timeout)
+            timings.append((spec.room, t0, time.monotonic(), status.state is RoomState.SUCCESS))
             key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
             await client.release(spec.room)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"
         outcome[key] = outcome.get(key, 0) + 1
-        await pages.give(src)
+        if not fixed:
+            await pages.give(src)
         report.emit("progress", done=sum(outcome.values()))
 
     async def gated(spec: RoomSpec) -> None:
         async with gate:
             await one(spec)
 
-    await asyncio.gather(*(gated(s) for s in room_plan(args.seed, args.rooms, args.max_tokens)))
+    await asyncio.gather(*(gated(s) for s in specs))
     await client.close()
+    _save_timings(args.timings, timings)
     return {"event": "summary", "role": "prefill", "outcome": outcome}
 
 
@@ -170,14 +236,26 @@ async def run_decode(args) -> dict:
     pages = PageAllocator(layout.num_pages, args.seed + 2)
     arrays = client.kv.arrays()
     region_bytes = sum(a.shape[1] for a in arrays)
+    specs, fixed = _rooms(args)
     outcome: dict[str, int] = {}
     by_fault: dict[str, dict[str, int]] = {}
     latencies: list[float] = []
+    timings: list[tuple[int, float, float, bool]] = []
+    to_check: list[tuple[RoomSpec, np.ndarray]] = []  # with --plan: rooms whose pages are checked at the end
     moved = 0
     mismatches = 0
+    corrupt = args.corrupt
     gate = asyncio.Semaphore(args.in_flight)
     report = Reporter()
+    report.emit("ready", force=True)
     started = time.perf_counter()
+
+    def check(spec: RoomSpec, pages: np.ndarray) -> bool:
+        nonlocal corrupt
+        if corrupt:
+            corrupt = False
+            corrupt_one_byte(arrays, pages)
+        return pages_match(arrays, spec.room, pages)
 
     async def one(spec: RoomSpec) -> None:
         nonlocal moved, mismatches
@@ -188,7 +266,7 @@ async def run_decode(args) -> dict:
             n_dst -= 1
             fault = fault if n_dst else ""
             n_dst = n_dst or 1
-        dst = await pages.take(n_dst)
+        dst = fixed[spec.index][1] if fixed else await pages.take(n_dst)
         wire_pages = dst.copy()
         version = None
         if fault == "out_of_range":
@@ -199,18 +277,21 @@ async def run_decode(args) -> dict:
         try:
             slot = await _alloc_slot(client)
             client.aux.payload(slot)[:] = 0
+            t_call = time.monotonic()
             try:
                 await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version)
             except errors.PdxferError:
-                await client.free_slot(slot)
+                await _give_back(client, slot)
                 raise
             status = await client.wait(spec.room, timeout=args.room_timeout)
+            timings.append((spec.room, t_call, time.monotonic(), status.state is RoomState.SUCCESS))
             if status.state is RoomState.SUCCESS:
                 latencies.append(time.perf_counter() - t0)
-                ok = bytes(client.aux.payload(slot)[:AUX_RECORD_BYTES]) == aux_record(spec.room, spec.tokens)
-                for r, arr in enumerate(arrays):
-                    got = arr[dst[:n_src]].reshape(-1)
-                    ok = ok and np.array_equal(got, page_pattern(spec.room, r, got.size))
+                ok = client.aux.read(slot, spec.room) == aux_record(spec.room, spec.tokens)
+                if fixed and ok:
+                    to_check.append((spec, dst[:n_src]))
+                elif ok:
+                    ok = check(spec, dst[:n_src])
                 if not ok:
                     mismatches += 1
                     print(f"room {spec.room}: destination bytes differ from the source", file=sys.stderr)
@@ -228,21 +309,27 @@ async def run_decode(args) -> dict:
         outcome[key] = outcome.get(key, 0) + 1
         bucket = by_fault.setdefault(fault or "none", {})
         bucket[key] = bucket.get(key, 0) + 1
-        await pages.give(dst)
-        report.emit("progress", done=sum(outcome.values()), total=args.rooms, bytes=moved, mismatches=mismatches)
+        if not fixed:
+            await pages.give(dst)
+        report.emit("progress", done=sum(outcome.values()), total=len(specs), bytes=moved, mismatches=mismatches)
 
     async def gated(spec: RoomSpec) -> None:
         async with gate:
             await one(spec)
 
-    await asyncio.gather(*(gated(s) for s in room_plan(args.seed, args.rooms, args.max_tokens)))
+    await asyncio.gather(*(gated(s) for s in specs))
     elapsed = time.perf_counter() - started
+    for spec, dst in to_check:  # planned pages were never reused: check them now, outside the timed rooms
+        if not check(spec, dst):
+            mismatches += 1
+            print(f"room {spec.room}: destination bytes differ from the source", file=sys.stderr)
     await client.close()
+    _save_timings(args.timings, timings)
     lat = np.array(latencies) * 1000 if latencies else np.zeros(1)
     return {
         "event": "summary",
         "role": "decode",
-        "rooms": args.rooms,
+        "rooms": len(specs),
         "outcome": outcome,
         "by_fault": by_fault,
         "mismatches": mismatches,
@@ -250,6 +337,7 @@ async def run_decode(args) -> dict:
         "seconds": elapsed,
         "gbps": moved / elapsed / 1e9 if elapsed else 0.0,
         "p50_ms": float(np.percentile(lat, 50)),
+        "p90_ms": float(np.percentile(lat, 90)),
         "p99_ms": float(np.percentile(lat, 99)),
     }
 
@@ -274,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--room-timeout", type=float, default=120.0, help="seconds to wait for a room to settle")
     p.add_argument("--fault", action="append", default=[], metavar="KIND:EVERY",
                    help=f"decode: make every EVERY-th room faulty; KIND is one of {', '.join(FAULTS)}")
+    p.add_argument("--plan", default="", metavar="FILE",
+                   help="take the rooms and both sides' page lists from a benchmark plan file (pdxfer.bench_plan) instead of "
+                   "--rooms/--max-tokens/--seed; its pages are never reused, so the prefill fills every source page before "
+                   "its first send() and the decode checks destination pages after its last room")
+    p.add_argument("--timings", default="", metavar="FILE",
+                   help="write each room's id, the monotonic time of its send()/expect() call and of its settled wait() to FILE (.npz)")
+    p.add_argument("--corrupt", action="store_true",
+                   help="decode, testing aid: flip one destination byte of the first successful room before it is checked")
     return p
 
 

@@ -1,0 +1,131 @@
+"""``pdxfer bench`` flags. Standard library only, so ``pdxfer --help`` stays fast;
+the benchmark itself (pdxfer.bench) is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+WORKLOADS = ("large", "medium", "small", "sweep")
+SYSTEMS = ("wire", "baseline", "pdxfer")
+BASELINE_APIS = ("auto", "submit", "submit_spin", "batch_async", "batch_sync")
+
+DESCRIPTION = """\
+Measure, in one run and on the same buffers and block lists, three ways of moving
+each room's KV pages from a prefill pool to a decode pool on loopback:
+
+  wire      one plain TCP stream between two processes: the most this box's
+            network path carries (no protocol, no transfer engine)
+  baseline  two raw Mooncake transfer engines in two processes, writing exactly
+            the blocks pdxfer plans, with the engine API that is fastest for the case
+  pdxfer    the full path: two daemons and two simulated engines using
+            pdxfer.client; a room runs from the engine's send()/expect() (the later
+            of the two) until the decode engine sees Success
+
+Room page lists come from --seed; blocks from pdxfer.plan. Pools hold every room's
+pages, so sources are filled before and destinations checked (every byte, every
+room, every system) after the timed window; any mismatch or failed room is reported
+and the command exits 1. Figures are medians over --repeat runs; each workload
+prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room, CPU seconds per
+GB of the two byte-moving processes (pdxfer: the daemons), their resident memory,
+and the ratio pdxfer/baseline of each (and pdxfer/wire). A progress bar runs on
+stderr."""
+
+
+def size_range(text: str) -> tuple[float, float]:
+    """'64-96' or '8' -> (low, high)."""
+    low, sep, high = text.partition("-")
+    try:
+        pair = (float(low), float(high if sep else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN-MAX") from None
+    if pair[0] <= 0 or pair[1] < pair[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < MIN <= MAX")
+    return pair
+
+
+def choices_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated), not {text!r}")
+        return items
+
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need positive integers")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to run")
+    g.add_argument("--workloads", type=choices_list(WORKLOADS), default=list(WORKLOADS), metavar="LIST",
+                   help=f"comma-separated workloads to run, from {', '.join(WORKLOADS)} (default: all)")
+    g.add_argument("--systems", type=choices_list(SYSTEMS), default=list(SYSTEMS), metavar="LIST",
+                   help="comma-separated systems to measure, from wire, baseline, pdxfer (default: all; wire runs on "
+                   "large, medium and small only: one stream has no concurrency to sweep)")
+    g.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="runs of every workload on every system; figures are their medians (default: 3)")
+    g.add_argument("--seed", type=int, default=1, help="seed of room ids, sizes and page choices (default: 1)")
+
+    g = p.add_argument_group("large and medium: per-layer K/V pools")
+    g.add_argument("--layers", type=int, default=8, metavar="N",
+                   help="model layers; the pool has a K and a V buffer per layer (default: 8)")
+    g.add_argument("--page-size", type=int, default=64, metavar="TOKENS", help="tokens per page (default: 64)")
+    g.add_argument("--token-bytes", type=int, default=2048, metavar="BYTES",
+                   help="bytes per token per layer in each of K and V; with --page-size 64 that makes 128 KiB pages, "
+                   "8 KV heads x 128 x bf16 (default: 2048)")
+    g.add_argument("--large-rooms", type=int, default=16, metavar="N", help="rooms in the large workload (default: 16)")
+    g.add_argument("--large-in-flight", type=int, default=4, metavar="N", help="large rooms in flight (default: 4)")
+    g.add_argument("--large-mib", type=size_range, default=(64, 96), metavar="MIN-MAX",
+                   help="KV per large room in MiB, rounded to whole pages (default: 64-96)")
+    g.add_argument("--medium-rooms", type=int, default=160, metavar="N", help="rooms in the medium workload (default: 160)")
+    g.add_argument("--medium-in-flight", type=int, default=32, metavar="N", help="medium rooms in flight (default: 32)")
+    g.add_argument("--medium-mib", type=size_range, default=(4, 16), metavar="MIN-MAX",
+                   help="KV per medium room in MiB, rounded to whole pages (default: 4-16)")
+
+    g = p.add_argument_group("small and the concurrency sweep: tiny rooms, bound by the control plane")
+    g.add_argument("--small-rooms", type=int, default=4000, metavar="N", help="rooms in the small workload (default: 4000)")
+    g.add_argument("--small-in-flight", type=int, default=64, metavar="N", help="small rooms in flight (default: 64)")
+    g.add_argument("--small-pages", type=size_range, default=(1, 4), metavar="MIN-MAX",
+                   help="page indices per small room (default: 1-4)")
+    g.add_argument("--small-layers", type=int, default=1, metavar="N", help="layers of the small rooms' pool (default: 1)")
+    g.add_argument("--small-page-size", type=int, default=16, metavar="TOKENS", help="tokens per page of the small rooms' pool (default: 16)")
+    g.add_argument("--small-token-bytes", type=int, default=256, metavar="BYTES",
+                   help="bytes per token per layer in each of K and V of the small rooms' pool: 4 KiB pages by default (default: 256)")
+    g.add_argument("--sweep", type=int_list, default=[1, 8, 64, 256], metavar="LIST",
+                   help="rooms in flight at each point of the concurrency sweep, on small rooms; a point equal to "
+                   "--small-in-flight reuses the small workload's runs (default: 1,8,64,256)")
+    g.add_argument("--sweep-rooms", type=int, default=1000, metavar="N",
+                   help="rooms per sweep point, raised to 8x its rooms in flight (default: 1000)")
+
+    g = p.add_argument_group("how")
+    g.add_argument("--baseline-api", choices=BASELINE_APIS, default="auto",
+                   help="transfer engine API of the baseline writer: submit (transfer_submit_write per block, "
+                   "transfer_check_status with short sleeps), batch_async (batch_transfer_async_write per room, "
+                   "get_batch_transfer_status), batch_sync (batch_transfer_sync_write, a thread per room in flight); "
+                   "auto picks the fastest measured on this kind of box, submit for every workload (default: auto)")
+    g.add_argument("--window", type=int, default=512, metavar="N",
+                   help="baseline writes in flight to the peer, as pdxfer's --peer-window; under the engine's per-peer "
+                   "queue of 1024 (default: 512)")
+    g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
+                   help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
+    g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",
+                   help="page indices to plan for the planning-time figure, once per layout; 0 skips it (default: 1000000)")
+    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="limit for one run of one workload on one system (default: 300)")
+    g.add_argument("--workdir", default="", metavar="DIR",
+                   help="keep plans, per-room timings and every process's log in DIR (default: a temporary directory, "
+                   "kept only when a run failed)")
+    g.add_argument("--corrupt", type=choices_list(SYSTEMS), default=[], metavar="LIST",
+                   help="testing aid: in every run of these systems (comma-separated, from wire, baseline, pdxfer) flip one "
+                   "destination byte before the check, to show the check catches it; the command then reports the "
+                   "mismatch and exits 1 (default: none)")
+    g.add_argument("--json", action="store_true", help="print the results as one JSON document instead of tables")

@@ -1,0 +1,426 @@
+"""The benchmark's two references: pairs of processes that move the blocks of a plan
+file (pdxfer.bench_plan) from a source pool into a destination pool, both made the
+way engines make them (pdxfer.client.KVPool: /dev/shm, pre-faulted) and filled and
+checked with the simulated engines' pattern (pdxfer.sim):
+
+* baseline: two raw Mooncake transfer engines. ``te-target`` registers the
+  destination pool and waits; ``te-writer`` writes every room's blocks, exactly as
+  the prefill daemon plans them, with one of the engine's APIs (``--api``), at most
+  ``--in-flight`` rooms and ``--window`` writes in flight. A room is done when its
+  last write completed at the writer.
+* wire: one TCP stream on loopback. ``wire-send`` sends every block of every room,
+  gathered with sendmsg(); ``wire-recv`` scatters them into their destinations with
+  recvmsg_into(). This is the most the box's network path carries, with no protocol.
+
+    python -m pdxfer.bench_raw te-target --plan FILE
+    python -m pdxfer.bench_raw te-writer --plan FILE --peer HOST:PORT --dst-base ADDR [...]
+
+Each prints JSON lines on stdout: ``ready`` (with what its peer needs), ``progress``
+and one ``summary``. Destinations are checked after the timed window; every room
+whose bytes differ counts as a mismatch, and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from .bench_plan import Plan
+from .client import KVPool
+from .sim import Reporter, corrupt_one_byte, fill_pages, pages_match
+
+APIS = ("submit", "submit_spin", "batch_async", "batch_sync")
+POLL_MIN, POLL_MAX = 0.00005, 0.001  # backoff between status polls when nothing completed
+SYNC_THREADS_MAX = 16  # batch_sync: one thread per room in flight, at most this many
+IOV_MAX = 512  # buffers per sendmsg()/recvmsg_into() call
+SOCKET_BUFFER = 8 * 2**20
+
+
+def proc_sample(pid: int | str = "self") -> dict:
+    """CPU seconds (all threads, user + system) and memory of a process, from /proc:
+    VmRSS, VmHWM (peak), RssAnon (private memory, without mapped pools), in bytes."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {"cpu_s": (int(fields[11]) + int(fields[12])) / ticks}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def emit(event: str, **fields) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def save_timings(path: str, rooms, starts, ends) -> None:
+    if path:
+        np.savez(path, room=np.asarray(rooms, np.uint64), start=np.asarray(starts, np.float64),
+                 end=np.asarray(ends, np.float64), ok=np.ones(len(rooms), bool))
+
+
+def check_rooms(plan: Plan, pool: KVPool, corrupt: bool) -> int:
+    """Rooms whose destination pages do not hold their pattern."""
+    arrays = pool.arrays()
+    if corrupt and plan.rooms:
+        corrupt_one_byte(arrays, plan.rooms[0].dst)
+    bad = 0
+    for r in plan.rooms:
+        if not pages_match(arrays, r.room, r.dst):
+            bad += 1
+            print(f"room {r.room}: destination bytes differ from the source", file=sys.stderr)
+    return bad
+
+
+def source_pool(plan: Plan) -> KVPool:
+    pool = KVPool.create(plan.layout)
+    arrays = pool.arrays()
+    for r in plan.rooms:
+        fill_pages(arrays, r.room, r.src)
+    return pool
+
+
+def start_engine():
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise SystemExit(f"transfer engine failed to initialise (code {rc})")
+    return engine, f"127.0.0.1:{engine.get_rpc_port()}"
+
+
+def register(engine, pool: KVPool) -> None:
+    rc = engine.register_memory(pool.memory.address, pool.memory.size)
+    if rc != 0:
+        raise SystemExit(f"transfer engine refused to register {pool.memory.size} bytes (code {rc})")
+
+
+# --- baseline: raw transfer engines
+
+
+def te_target(args) -> int:
+    plan = Plan.load(args.plan)
+    engine, session = start_engine()
+    idle = proc_sample()
+    pool = KVPool.create(plan.layout)
+    register(engine, pool)
+    try:
+        emit("ready", session=session, base=pool.memory.address, idle=idle)
+        if sys.stdin.readline().strip() != "verify":  # the bench went away
+            return 1
+        bad = check_rooms(plan, pool, args.corrupt)
+    finally:
+        pool.close()
+    emit("summary", role="te-target", rooms=len(plan.rooms), mismatches=bad)
+    return 1 if bad else 0
+
+
+class Tally:
+    """Per-room start and end times, and the progress line."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.starts = np.zeros(len(plan.rooms))
+        self.ends = np.zeros(len(plan.rooms))
+        self.sizes = plan.room_bytes()
+        self.done = 0
+        self.bytes = 0
+        self.report = Reporter()
+
+    def start(self, i: int) -> None:
+        self.starts[i] = time.monotonic()
+
+    def end(self, i: int) -> None:
+        self.ends[i] = time.monotonic()
+        self.done += 1
+        self.bytes += int(self.sizes[i])
+        self.report.emit("progress", done=self.done, bytes=self.bytes, mismatches=0)
+
+
+def write_submit(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally, spin: bool = False) -> int:
+    """One transfer_submit_write per block, transfer_check_status on the oldest write,
+    a short sleep when nothing completed (none with ``spin``). Returns the writes
+    submitted."""
+    write, check = engine.transfer_submit_write, engine.transfer_check_status
+    left = [len(j[0]) for j in jobs]
+    queue: deque[list[int]] = deque()  # [room, next block] of admitted rooms with blocks to submit
+    writes: deque[tuple[int, int]] = deque()  # (handle, room), oldest first
+    admitted = live = submitted = 0
+    pause = 0.0
+    while tally.done < len(jobs):
+        progressed = False
+        while admitted < len(jobs) and live < in_flight:
+            tally.start(admitted)
+            queue.append([admitted, 0])
+            admitted += 1
+            live += 1
+        while queue and len(writes) < window:
+            entry = queue[0]
+            room, first = entry
+            src, dst, length = jobs[room]
+            last = min(len(src), first + window - len(writes))
+            for b in range(first, last):
+                handle = write(peer, src[b], dst[b], length[b])
+                if handle == 0:
+                    raise SystemExit(f"transfer engine refused write {b} of room {room}")
+                writes.append((handle, room))
+            submitted += last - first
+            entry[1] = last
+            if last == len(src):
+                queue.popleft()
+            progressed = True
+        while writes:
+            handle, room = writes[0]
+            status = check(handle)
+            if status == 0:
+                break
+            if status != 1:
+                raise SystemExit(f"a write of room {room} failed (status {status})")
+            writes.popleft()
+            left[room] -= 1
+            if not left[room]:
+                tally.end(room)
+                live -= 1
+            progressed = True
+        if progressed or spin:
+            pause = 0.0
+        else:
+            pause = min(POLL_MAX, pause * 2 or POLL_MIN)
+            time.sleep(pause)
+    return submitted
+
+
+def write_submit_spin(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+    """As write_submit, polling without sleeping: lowest latency, a core busy."""
+    return write_submit(engine, peer, jobs, in_flight, window, tally, spin=True)
+
+
+def _chunks(job, size: int):
+    src, dst, length = job
+    return [(src[a : a + size], dst[a : a + size], length[a : a + size]) for a in range(0, len(src), size)]
+
+
+def write_batch_async(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+    """batch_transfer_async_write per room (in chunks of half the window, so two are
+    in flight), get_batch_transfer_status on the oldest batch (it returns once the
+    batch is done)."""
+    size = max(1, window // 2)
+    parts = [len(_chunks(j, size)) for j in jobs]
+    pending: deque[tuple[int, tuple]] = deque()  # (room, chunk) of admitted rooms, not yet submitted
+    batches: deque[tuple[int, int, int]] = deque()  # (batch id, room, writes)
+    admitted = live = in_writes = submitted = 0
+    while tally.done < len(jobs):
+        while admitted < len(jobs) and live < in_flight:
+            tally.start(admitted)
+            pending.extend((admitted, c) for c in _chunks(jobs[admitted], size))
+            admitted += 1
+            live += 1
+        while pending and (not batches or in_writes + len(pending[0][1][0]) <= window):
+            room, (src, dst, length) = pending.popleft()
+            batch = engine.batch_transfer_async_write(peer, src, dst, length)
+            if batch == 0:
+                raise SystemExit(f"transfer engine refused a batch of room {room}")
+            batches.append((batch, room, len(src)))
+            in_writes += len(src)
+            submitted += len(src)
+        batch, room, n = batches.popleft()
+        rc = engine.get_batch_transfer_status([batch])
+        if rc != 0:
+            raise SystemExit(f"a batch of room {room} failed (code {rc})")
+        in_writes -= n
+        parts[room] -= 1
+        if not parts[room]:
+            tally.end(room)
+            live -= 1
+    return submitted
+
+
+def write_batch_sync(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+    """batch_transfer_sync_write, one thread per room in flight (at most
+    SYNC_THREADS_MAX); each call returns when its batch is done."""
+    threads = max(1, min(in_flight, SYNC_THREADS_MAX))
+    size = max(1, window // threads)
+    lock = threading.Lock()
+    order = iter(range(len(jobs)))
+    failures: list[str] = []
+
+    def worker() -> None:
+        while not failures:
+            with lock:
+                room = next(order, None)
+                if room is None:
+                    return
+                tally.start(room)
+            for src, dst, length in _chunks(jobs[room], size):
+                rc = engine.batch_transfer_sync_write(peer, src, dst, length)
+                if rc != 0:
+                    failures.append(f"a batch of room {room} failed (code {rc})")
+                    return
+            with lock:
+                tally.end(room)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if failures:
+        raise SystemExit(failures[0])
+    return sum(len(j[0]) for j in jobs)
+
+
+WRITERS = {"submit": write_submit, "submit_spin": write_submit_spin, "batch_async": write_batch_async, "batch_sync": write_batch_sync}
+
+
+def te_writer(args) -> int:
+    plan = Plan.load(args.plan)
+    engine, _ = start_engine()
+    idle = proc_sample()
+    pool = source_pool(plan)
+    try:
+        register(engine, pool)
+        jobs = [(b.src.tolist(), b.dst.tolist(), b.length.tolist()) for b in plan.blocks(pool.memory.address, args.dst_base)]
+        emit("ready", idle=idle)
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        before = proc_sample()
+        tally = Tally(plan)
+        submitted = WRITERS[args.api](engine, args.peer, jobs, args.in_flight, args.window, tally)
+        after = proc_sample()
+    finally:
+        pool.close()
+    save_timings(args.timings, [r.room for r in plan.rooms], tally.starts, tally.ends)
+    emit("summary", role="te-writer", api=args.api, rooms=len(jobs), done=tally.done, bytes=tally.bytes, blocks=submitted,
+         before=before, after=after)
+    return 0
+
+
+# --- wire: one TCP stream
+
+
+def _advance(views: list[memoryview], at: int, count: int) -> int:
+    """Consume ``count`` bytes from views[at:]; return the first unfinished index."""
+    while count:
+        n = views[at].nbytes
+        if count >= n:
+            count -= n
+            at += 1
+        else:
+            views[at] = views[at][count:]
+            count = 0
+    return at
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    at = 0
+    while at < len(views):
+        at = _advance(views, at, sock.sendmsg(views[at : at + IOV_MAX]))
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    at = 0
+    while at < len(views):
+        n = sock.recvmsg_into(views[at : at + IOV_MAX])[0]
+        if n == 0:
+            raise SystemExit("the sender closed the stream early")
+        at = _advance(views, at, n)
+
+
+def _views(memory: memoryview, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+    return [memory[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist())]
+
+
+def wire_recv(args) -> int:
+    plan = Plan.load(args.plan)
+    pool = KVPool.create(plan.layout)
+    try:
+        return _wire_recv(args, plan, pool)
+    finally:
+        pool.close()
+
+
+def _wire_recv(args, plan: Plan, pool: KVPool) -> int:
+    memory = memoryview(pool.memory.array)
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    emit("ready", port=server.getsockname()[1])
+    conn, _ = server.accept()
+    header = bytearray(8)
+    recv_views(conn, [memoryview(header)])
+    (started,) = struct.unpack("<d", header)
+    tally = Tally(plan)
+    for i, blocks in enumerate(plan.blocks()):
+        tally.starts[i] = started
+        recv_views(conn, _views(memory, blocks.dst, blocks.length))
+        tally.end(i)
+    conn.close()
+    save_timings(args.timings, [r.room for r in plan.rooms], tally.starts, tally.ends)
+    del memory
+    bad = check_rooms(plan, pool, args.corrupt)
+    emit("summary", role="wire-recv", rooms=len(plan.rooms), done=tally.done, bytes=tally.bytes,
+         blocks=int(sum(len(b) for b in plan.blocks())), mismatches=bad)
+    return 1 if bad else 0
+
+
+def wire_send(args) -> int:
+    plan = Plan.load(args.plan)
+    pool = source_pool(plan)
+    try:
+        memory = memoryview(pool.memory.array)
+        sock = socket.create_connection(("127.0.0.1", args.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rooms = [_views(memory, b.src, b.length) for b in plan.blocks()]
+        sock.sendall(struct.pack("<d", time.monotonic()))
+        for views in rooms:
+            send_views(sock, views)
+        sock.close()
+    finally:
+        pool.close()
+    emit("summary", role="wire-send", rooms=len(plan.rooms))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdxfer.bench_raw", description="The benchmark's reference transfers (see pdxfer bench).")
+    sub = p.add_subparsers(dest="role", required=True)
+    for name, text in (("te-target", "raw transfer engine owning the destination pool"),
+                       ("te-writer", "raw transfer engine writing every block into te-target's pool"),
+                       ("wire-recv", "socket receiver scattering blocks into the destination pool"),
+                       ("wire-send", "socket sender of every block")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--plan", required=True, metavar="FILE", help="plan file written by pdxfer.bench_plan")
+        s.add_argument("--timings", default="", metavar="FILE", help="write each room's start and end times here (.npz)")
+        if name in ("te-target", "wire-recv"):
+            s.add_argument("--corrupt", action="store_true", help="flip one destination byte before the check (testing aid)")
+        if name == "te-writer":
+            s.add_argument("--peer", required=True, help="te-target's transfer engine session, host:port")
+            s.add_argument("--dst-base", type=int, required=True, help="address of te-target's destination pool")
+            s.add_argument("--api", choices=APIS, default="submit", help="transfer engine API to write with")
+            s.add_argument("--in-flight", type=int, default=1, help="rooms in flight")
+            s.add_argument("--window", type=int, default=512, help="writes in flight to the peer (its queue holds 1024)")
+        if name == "wire-send":
+            s.add_argument("--port", type=int, required=True, help="wire-recv's port on 127.0.0.1")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run = {"te-target": te_target, "te-writer": te_writer, "wire-recv": wire_recv, "wire-send": wire_send}[args.role]
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

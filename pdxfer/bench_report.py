@@ -1,0 +1,150 @@
+"""``pdxfer bench`` results as text tables, and the targets they are checked against."""
+
+from __future__ import annotations
+
+SYSTEM_ORDER = ("wire", "baseline", "pdxfer")
+BUSY_SHARE = 0.05  # other processes' share of the box above which the figures are flagged
+# figure key, label, format
+FIGURES = (
+    ("gbps", "GB/s", "{:.2f}"),
+    ("rooms_per_s", "rooms/s", "{:.0f}"),
+    ("p50_ms", "p50 ms to Success", "{:.2f}"),
+    ("p90_ms", "p90 ms to Success", "{:.2f}"),
+    ("p99_ms", "p99 ms to Success", "{:.2f}"),
+    ("blocks_per_room", "blocks submitted per room", "{:.1f}"),
+    ("cpu_s_per_gb", "CPU s per GB moved", "{:.2f}"),
+    ("cpu_ms_per_room", "CPU ms per room", "{:.2f}"),
+    ("rss_idle_mib", "RSS idle MiB", "{:.0f}"),
+    ("rss_anon_mib", "RSS anon MiB after", "{:.0f}"),
+    ("rss_peak_mib", "RSS peak MiB (pools incl.)", "{:.0f}"),
+)
+
+
+def _fmt(value, spec: str = "{:.2f}", width: int = 10) -> str:
+    return f"{'-' if value is None else spec.format(value):>{width}}"
+
+
+def _x(value) -> str:
+    return f"{'-' if value is None else f'{value:.2f}x':>10}"
+
+
+def _workload_table(name: str, wl: dict) -> list[str]:
+    systems = [s for s in SYSTEM_ORDER if s in wl["systems"]]
+    blocks = wl["planned_blocks_per_room"]
+    lines = [
+        f"{name}: {wl['shape']}",
+        f"  {wl['kv_bytes'] / 1e9:.2f} GB of KV per run; planned blocks per room {blocks['mean']:.1f} "
+        f"(min {blocks['min']}, max {blocks['max']}); baseline API {wl['baseline_api']}",
+    ]
+    ratios = wl["ratios"]
+    with_wire = "wire" in systems
+    head = f"  {'':28}" + "".join(f"{s:>10}" for s in systems) + f"{'pdxfer/base':>12}" + (f"{'pdxfer/wire':>12}" if with_wire else "")
+    lines.append(head)
+    for key, label, spec in FIGURES:
+        row = f"  {label:28}" + "".join(_fmt(wl["systems"][s]["median"][key], spec) for s in systems)
+        row += f"  {_x(ratios['pdxfer/baseline'].get(key))}"
+        if with_wire:
+            row += f"  {_x(ratios['pdxfer/wire'].get(key))}" if key in ratios["pdxfer/wire"] else ""
+        lines.append(row)
+    lines.append(f"  {'mismatched rooms (all runs)':28}" + "".join(f"{wl['systems'][s]['mismatches']:>10}" for s in systems))
+    for s in systems:
+        for error in wl["systems"][s]["errors"]:
+            lines.append(f"  ! {s}: {error}")
+    return lines
+
+
+def _sweep_table(report: dict) -> list[str]:
+    points = [(p["in_flight"], report["workloads"].get(p["workload"])) for p in report["sweep"]]
+    points = [(n, wl) for n, wl in points if wl is not None]
+    if not points:
+        return []
+    lines = ["concurrency sweep (small rooms): baseline | pdxfer | pdxfer/baseline",
+             f"  {'in flight':>9}  {'rooms/s':>26}  {'p50 ms':>26}  {'p99 ms':>26}  {'GB/s':>20}"]
+    for n, wl in points:
+        med = {s: v["median"] for s, v in wl["systems"].items()}
+        ratio = wl["ratios"]["pdxfer/baseline"]
+        cells = []
+        for key, spec in (("rooms_per_s", "{:.0f}"), ("p50_ms", "{:.2f}"), ("p99_ms", "{:.2f}")):
+            cells.append(_fmt(med.get("baseline", {}).get(key), spec, 8) + _fmt(med.get("pdxfer", {}).get(key), spec, 9) + _x(ratio.get(key))[1:])
+        cells.append(_fmt(med.get("baseline", {}).get("gbps"), "{:.3f}", 10) + _fmt(med.get("pdxfer", {}).get("gbps"), "{:.3f}", 10))
+        lines.append(f"  {n:>9}  " + "  ".join(cells))
+    return lines
+
+
+def _planning(report: dict) -> list[str]:
+    planning = report.get("planning")
+    if not planning:
+        return []
+    rate = planning["at_gbps"]
+    lines = [f"planning (page lists -> checked, coalesced blocks -> the lists the engine is called with), "
+             f"vs moving the same bytes at {'-' if rate is None else f'{rate:.2f}'} GB/s (best pdxfer rate above)"]
+    for label, t in planning["layouts"].items():
+        share = "-" if t["plan_share"] is None else f"{t['plan_share']:.2%}"
+        transfer = "-" if t["transfer_s"] is None else f"{t['transfer_s']:.1f} s"
+        lines.append(
+            f"  {label:20} {t['page_indices']:,} page indices -> {t['blocks']:,} blocks: plan {t['plan_s'] * 1e3:.0f} ms"
+            f" + to lists {t['to_lists_s'] * 1e3:.0f} ms; transfer {transfer}; share {share}"
+        )
+    return lines
+
+
+def _one_in_flight(report: dict, n: int) -> dict | None:
+    for p in report["sweep"]:
+        if p["in_flight"] == n:
+            return report["workloads"].get(p["workload"])
+    wl = report["workloads"].get("small")
+    return wl if wl and wl["workload"]["in_flight"] == n else None
+
+
+def _get(wl: dict | None, system: str, key: str):
+    return None if wl is None else wl["systems"].get(system, {}).get("median", {}).get(key)
+
+
+def targets(report: dict) -> list[dict]:
+    wls = report["workloads"]
+
+    def ratio(name: str, which: str, key: str = "gbps"):
+        wl = wls.get(name)
+        return None if wl is None else wl["ratios"][which].get(key)
+
+    one, sixty_four = _one_in_flight(report, 1), _one_in_flight(report, 64)
+    idle = [_get(wl, "pdxfer", "rss_idle_mib") for wl in wls.values()]
+    idle = [v for v in idle if v is not None]
+    shares = [t["plan_share"] for t in report.get("planning", {}).get("layouts", {}).values() if t["plan_share"] is not None]
+    rows = [
+        ("large GB/s >= 0.95x baseline", ratio("large", "pdxfer/baseline"), lambda v: v >= 0.95, "{:.2f}x"),
+        ("large GB/s >= 0.6x wire", ratio("large", "pdxfer/wire"), lambda v: v >= 0.6, "{:.2f}x"),
+        ("medium GB/s >= 0.90x baseline", ratio("medium", "pdxfer/baseline"), lambda v: v >= 0.90, "{:.2f}x"),
+        ("small rooms/s >= 5000, 64 in flight", _get(sixty_four, "pdxfer", "rooms_per_s"), lambda v: v >= 5000, "{:.0f}"),
+        ("p50 < 1 ms, one room in flight", _get(one, "pdxfer", "p50_ms"), lambda v: v < 1.0, "{:.2f} ms"),
+        ("p99 < 5 ms, one room in flight", _get(one, "pdxfer", "p99_ms"), lambda v: v < 5.0, "{:.2f} ms"),
+        ("planning 1M indices <= 5% of transfer", max(shares) if shares else None, lambda v: v <= 0.05, "{:.2%}"),
+        ("idle daemon RSS < 150 MiB", max(idle) if idle else None, lambda v: v < 150, "{:.0f} MiB"),
+    ]
+    return [
+        {"target": text, "value": value, "shown": "-" if value is None else spec.format(value),
+         "met": None if value is None else bool(test(value))}
+        for text, value, test, spec in rows
+    ]
+
+
+def format_report(report: dict) -> str:
+    cfg, box = report["config"], report["box"]
+    lines = [
+        f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback; seed {cfg['seed']}; "
+        f"{box['cpus']} CPUs, {box['seconds']:.0f} s",
+    ]
+    if box["foreign_share"] > BUSY_SHARE:
+        lines.append(f"  WARNING: other processes used {box['foreign_cpu_s']:.0f} CPU-seconds ({box['foreign_share']:.0%} of the box) "
+                     "while this ran; the figures are unreliable")
+    lines.append("")
+    for name, wl in report["workloads"].items():
+        lines += _workload_table(name, wl) + [""]
+    for block in (_sweep_table(report), _planning(report)):
+        if block:
+            lines += block + [""]
+    lines.append("targets")
+    for t in report["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"  {t['target']:40} {t['shown']:>12}   {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,303 @@
+"""One benchmark run: one workload's plan on one system (wire, baseline or pdxfer),
+its processes, /proc samples of the processes that move the bytes, and the run's
+figures. pdxfer.bench repeats runs and compares them.
+
+Every run's clock is CLOCK_MONOTONIC, read in the processes themselves: a room starts
+when the engine calls send() or expect(), whichever comes later (baseline: when the
+writer admits it), and ends when the decode engine sees Success (baseline: when its
+last write completed; wire: when its last byte arrived). A run's window is from its
+first room's start to its last room's end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .bench_plan import Plan, block_counts
+from .bench_raw import proc_sample
+from .launch import LaunchError, read_events, start_daemon, start_sim
+
+Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workdir: str  # plan, timing and log files
+    timeout: float = 300.0
+    aux_path: str = "auto"
+    api: str = "submit"  # baseline writer's transfer engine API
+    window: int = 512  # baseline writes in flight
+    corrupt: bool = False  # flip a destination byte before the check (testing aid)
+
+
+@dataclass
+class RunResult:
+    system: str
+    workload: str
+    rooms: int
+    ok: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    latencies_ms: np.ndarray | None = None
+    blocks: int = 0
+    mismatches: int = 0
+    cpu_s: float | None = None  # of the two processes that move bytes (daemons, raw engines), over the window
+    # Memory of the larger of those two processes, in bytes:
+    rss_idle: int | None = None  # VmRSS before any pool is mapped (pdxfer: the daemon once ready)
+    rss_anon: int | None = None  # RssAnon after the last room: memory of its own, without mapped pools
+    rss_peak: int | None = None  # VmHWM after the last room, mapped pools included
+    extra: dict = field(default_factory=dict)
+    error: str = ""
+
+    def figures(self) -> dict[str, float | None]:
+        gb = self.bytes / 1e9
+        lat = self.latencies_ms if self.latencies_ms is not None and self.latencies_ms.size else None
+        pct = {f"p{q}_ms": (float(np.percentile(lat, q)) if lat is not None else None) for q in (50, 90, 99)}
+        mib = lambda v: v / 2**20 if v is not None else None  # noqa: E731
+        return {
+            "gbps": gb / self.seconds if self.seconds else None,
+            "rooms_per_s": self.ok / self.seconds if self.seconds else None,
+            **pct,
+            "blocks_per_room": self.blocks / self.rooms if self.rooms else None,
+            "cpu_s_per_gb": self.cpu_s / gb if self.cpu_s is not None and gb else None,
+            "cpu_ms_per_room": self.cpu_s * 1000 / self.ok if self.cpu_s is not None and self.ok else None,
+            "rss_idle_mib": mib(self.rss_idle),
+            "rss_anon_mib": mib(self.rss_anon),
+            "rss_peak_mib": mib(self.rss_peak),
+        }
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "latencies_ms"}
+        out["figures"] = self.figures()
+        return out
+
+
+def _timed(result: RunResult, plan: Plan, rooms: np.ndarray, starts: np.ndarray, ends: np.ndarray, ok: np.ndarray) -> None:
+    """Fill ok, bytes, seconds and latencies from per-room times."""
+    sizes = dict(zip((r.room for r in plan.rooms), plan.room_bytes().tolist()))
+    result.ok = int(ok.sum())
+    result.bytes = int(sum(sizes[int(r)] for r in rooms[ok]))
+    if result.ok:
+        result.seconds = float(ends[ok].max() - starts[ok].min())
+        result.latencies_ms = (ends[ok] - starts[ok]) * 1000.0
+
+
+def _load_timings(path: str) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in ("room", "start", "end", "ok")}
+
+
+def _await_event(proc: subprocess.Popen, name: str, timeout: float) -> dict:
+    """The first JSON line of ``proc`` whose event is ``name``."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(0.2):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("{"):
+                    event = json.loads(line)
+                    if event.get("event") == name:
+                        return event
+            elif proc.poll() is not None:
+                break
+    finally:
+        sel.close()
+    raise LaunchError(f"{' '.join(proc.args[2:4])} exited or gave no {name!r} line within {timeout:g}s (code {proc.poll()})")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
+
+
+def raw_argv(role: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pdxfer.bench_raw", role, *flags]
+
+
+def _spawn(argv: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_env(), text=True)
+
+
+def _say(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _reap(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _on_progress(progress: Progress, names: tuple[str, ...]):
+    def on_event(name: str, event: dict) -> None:
+        if name in names and event.get("event") == "progress":
+            progress(event.get("done", 0), event.get("bytes", 0), event.get("mismatches", 0))
+
+    return on_event
+
+
+def _log(workdir: str, name: str):
+    return open(os.path.join(workdir, f"{name}.log"), "w")
+
+
+def run_wire(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
+    result = RunResult("wire", plan.workload.name, len(plan.rooms))
+    timings = os.path.join(opts.workdir, "wire-timings.npz")
+    corrupt = ["--corrupt"] if opts.corrupt else []
+    procs = {}
+    try:
+        procs["recv"] = _spawn(raw_argv("wire-recv", "--plan", plan_path, "--timings", timings, *corrupt), _log(opts.workdir, "wire-recv"))
+        port = _await_event(procs["recv"], "ready", opts.timeout)["port"]
+        procs["send"] = _spawn(raw_argv("wire-send", "--plan", plan_path, "--port", str(port)), _log(opts.workdir, "wire-send"))
+        summaries = read_events(procs, _on_progress(progress, ("recv",)), timeout=opts.timeout)
+    finally:
+        _reap(procs.values())
+    recv = summaries.get("recv")
+    if recv is None or "send" not in summaries:
+        result.error = "a wire process exited without a summary (see its log)"
+        return result
+    t = _load_timings(timings)
+    _timed(result, plan, t["room"], t["start"], t["end"], t["ok"])
+    result.latencies_ms = None  # one stream: rooms have no latency of their own
+    result.blocks, result.mismatches = recv["blocks"], recv["mismatches"]
+    return result
+
+
+def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
+    result = RunResult("baseline", plan.workload.name, len(plan.rooms), extra={"api": opts.api})
+    timings = os.path.join(opts.workdir, "baseline-timings.npz")
+    corrupt = ["--corrupt"] if opts.corrupt else []
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *corrupt), _log(opts.workdir, "te-target"))
+        ready = _await_event(target, "ready", opts.timeout)
+        procs["writer"] = writer = _spawn(
+            raw_argv("te-writer", "--plan", plan_path, "--peer", ready["session"], "--dst-base", str(ready["base"]),
+                     "--api", opts.api, "--in-flight", str(plan.workload.in_flight), "--window", str(opts.window),
+                     "--timings", timings),
+            _log(opts.workdir, "te-writer"),
+        )
+        writer_ready = _await_event(writer, "ready", opts.timeout)
+        target_before = proc_sample(target.pid)
+        _say(writer, "go")
+        done = read_events({"writer": writer}, _on_progress(progress, ("writer",)), timeout=opts.timeout).get("writer")
+        target_after = proc_sample(target.pid)
+        _say(target, "verify")
+        checked = read_events({"target": target}, timeout=opts.timeout).get("target")
+    finally:
+        _reap(procs.values())
+    if done is None or checked is None:
+        result.error = "a raw transfer engine process exited without a summary (see its log)"
+        return result
+    t = _load_timings(timings)
+    _timed(result, plan, t["room"], t["start"], t["end"], t["ok"])
+    result.blocks, result.mismatches = done["blocks"], checked["mismatches"]
+    result.cpu_s = done["after"]["cpu_s"] - done["before"]["cpu_s"] + target_after["cpu_s"] - target_before["cpu_s"]
+    result.rss_idle = max(writer_ready["idle"]["VmRSS"], ready["idle"]["VmRSS"])
+    result.rss_anon = max(done["after"]["RssAnon"], target_after["RssAnon"])
+    result.rss_peak = max(done["after"]["VmHWM"], target_after["VmHWM"])
+    return result
+
+
+def _start_daemons(runtime: str, opts: RunOptions) -> dict:
+    flags = ["--log-level", "warning", "--aux-path", opts.aux_path]
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            role: pool.submit(start_daemon, role, runtime, *flags, stderr=_log(opts.workdir, f"{role}-daemon"), timeout=60.0)
+            for role in ("prefill", "decode")
+        }
+    daemons, failure = {}, None
+    for role, fut in futures.items():
+        try:
+            daemons[role] = fut.result()
+        except LaunchError as exc:
+            failure = exc
+    if failure is not None:
+        for d in daemons.values():
+            d.stop()
+        raise failure
+    return daemons
+
+
+def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
+    w = plan.workload
+    result = RunResult("pdxfer", w.name, len(plan.rooms), extra={"aux_path": opts.aux_path})
+    runtime = tempfile.mkdtemp(prefix="pdxb-")  # short: ipc socket paths are limited to ~107 bytes
+    timing = {role: os.path.join(opts.workdir, f"pdxfer-{role}-timings.npz") for role in ("prefill", "decode")}
+    flags = [
+        "--plan", plan_path, "--rooms", str(len(plan.rooms)), "--in-flight", str(w.in_flight), "--layout", "mha",
+        "--layers", str(w.layers), "--page-size", str(w.page_size), "--token-bytes", str(w.token_bytes),
+        "--pages", str(plan.num_pages), "--slots", str(max(8, 2 * w.in_flight)), "--room-timeout", str(opts.timeout),
+    ]
+    daemons: dict = {}
+    sims: dict[str, subprocess.Popen] = {}
+    samples: dict[str, dict] = {}
+    try:
+        daemons = _start_daemons(runtime, opts)
+        pids = {role: d.pid for role, d in daemons.items()}
+        samples["idle"] = {role: proc_sample(pid) for role, pid in pids.items()}
+        sims["prefill"] = start_sim("prefill", daemons["prefill"].engine, *flags, "--timings", timing["prefill"],
+                                    stderr=_log(opts.workdir, "prefill-engine"))
+        sims["decode"] = start_sim("decode", daemons["decode"].engine, "--bootstrap", daemons["prefill"].bootstrap, *flags,
+                                   "--timings", timing["decode"], *(["--corrupt"] if opts.corrupt else []),
+                                   stderr=_log(opts.workdir, "decode-engine"))
+        ready: set[str] = set()
+        show = _on_progress(progress, ("decode",))
+
+        def on_event(name: str, event: dict) -> None:
+            if event.get("event") == "ready":
+                ready.add(name)
+                if len(ready) == 2:  # both pools registered, sources filled: the window opens
+                    samples["before"] = {role: proc_sample(pid) for role, pid in pids.items()}
+            show(name, event)
+
+        summaries = read_events(sims, on_event, timeout=opts.timeout)
+        samples["after"] = {role: proc_sample(pid) for role, pid in pids.items() if daemons[role].alive()}
+    finally:
+        _reap(sims.values())
+        codes = {role: d.stop() for role, d in daemons.items()}
+        shutil.rmtree(runtime, ignore_errors=True)
+    dec, pre = summaries.get("decode"), summaries.get("prefill")
+    if dec is None or pre is None or len(samples.get("after", {})) != 2 or "before" not in samples:
+        result.error = f"an engine or daemon died (daemon exit codes {codes}; see the logs)"
+        return result
+    p, d = _load_timings(timing["prefill"]), _load_timings(timing["decode"])
+    sent = dict(zip(p["room"].tolist(), p["start"].tolist()))
+    starts = np.array([max(s, sent.get(r, np.inf)) for r, s in zip(d["room"].tolist(), d["start"].tolist())])
+    ok = d["ok"] & np.isfinite(starts)
+    _timed(result, plan, d["room"], starts, d["end"], ok)
+    result.blocks = int(block_counts(plan).sum())  # the daemon plans with the same function
+    result.mismatches = dec["mismatches"]
+    if result.ok != len(plan.rooms):
+        result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"
+    result.cpu_s = sum(samples["after"][r]["cpu_s"] - samples["before"][r]["cpu_s"] for r in pids)
+    result.rss_idle = max(samples["idle"][r]["VmRSS"] for r in pids)
+    result.rss_anon = max(samples["after"][r]["RssAnon"] for r in pids)
+    result.rss_peak = max(samples["after"][r]["VmHWM"] for r in pids)
+    result.extra["per_daemon"] = {
+        r: {"cpu_s": samples["after"][r]["cpu_s"] - samples["before"][r]["cpu_s"],
+            "rss_idle": samples["idle"][r]["VmRSS"], "rss_anon": samples["after"][r]["RssAnon"],
+            "rss_peak": samples["after"][r]["VmHWM"]}
+        for r in pids
+    }
+    return result
+
+
+RUNNERS = {"wire": run_wire, "baseline": run_baseline, "pdxfer": run_pdxfer}

@@ -1,0 +1,158 @@
+"""pdxfer bench: block counts from coalescing (pure), and the benchmark itself at a
+tiny size, once clean and once with a corrupted byte in every system. Nothing here
+asserts on speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.cli import build_parser
+from pdxfer.plan import layout_regions
+
+from .conftest import needs_mooncake
+
+# 2 layers: K0 V0 K1 V1, four regions of 4 tokens x 64 B = 256 B pages.
+TINY = Workload("t", rooms=1, in_flight=1, layers=2, page_size=4, token_bytes=64, min_pages=1, max_pages=1)
+
+
+def one_room(src, dst) -> Plan:
+    src, dst = np.array(src, np.int32), np.array(dst, np.int32)
+    return Plan(TINY, 64, [RoomPages(room=1, tokens=src.size * 4, src=src, dst=dst)])
+
+
+def runs(src, dst) -> int:
+    """Runs contiguous on both sides, counted the slow way."""
+    count = 1
+    for i in range(1, len(src)):
+        if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected_runs",
+    [
+        ([0, 1, 2, 3], [10, 11, 12, 13], 1),  # contiguous on both sides: one block per region
+        ([0, 1, 2, 3], [10, 5, 11, 12], 3),  # a scattered destination page splits the run
+        ([4, 5, 0, 1], [8, 9, 10, 11], 2),  # the source jumps back
+        ([7], [3], 1),
+        ([0, 2, 4, 6], [0, 2, 4, 6], 4),  # strided: nothing coalesces
+    ],
+)
+def test_coalescing_gives_one_block_per_run_and_region(src, dst, expected_runs):
+    plan = one_room(src, dst)
+    (blocks,) = plan.blocks()
+    regions = layout_regions(plan.layout)
+    assert len(regions) == 4
+    assert len(blocks) == expected_runs * len(regions)
+    assert block_counts(plan).tolist() == [expected_runs * len(regions)]
+    assert blocks.nbytes == len(src) * 4 * 256  # every page of every region, once
+
+
+def test_blocks_address_the_right_pages():
+    plan = one_room([2, 3], [9, 10])
+    (blocks,) = plan.blocks(src_base=1 << 20, dst_base=1 << 30)
+    page, pool_pages = 256, plan.num_pages
+    for r in range(4):  # region r starts at r * pool_pages * page
+        assert blocks.src[r] == (1 << 20) + r * pool_pages * page + 2 * page
+        assert blocks.dst[r] == (1 << 30) + r * pool_pages * page + 9 * page
+        assert blocks.length[r] == 2 * page
+
+
+def test_planned_rooms_coalesce_as_counted_by_hand(tmp_path):
+    w = Workload("w", rooms=50, in_flight=4, layers=3, page_size=4, token_bytes=64, min_pages=1, max_pages=12)
+    plan = make_plan(w, seed=5)
+    expected = [runs(r.src.tolist(), r.dst.tolist()) * 2 * w.layers for r in plan.rooms]
+    assert block_counts(plan).tolist() == expected
+    # pages never repeat within a plan, on either side, and fit the pools
+    src = np.concatenate([r.src for r in plan.rooms])
+    dst = np.concatenate([r.dst for r in plan.rooms])
+    assert len(set(src.tolist())) == src.size and len(set(dst.tolist())) == dst.size
+    assert src.max() < plan.num_pages and dst.max() < plan.num_pages
+    # sources come in runs of SRC_RUN pages, so some rooms coalesce; destinations are scattered
+    assert min(expected) >= 2 * w.layers
+    assert plan.num_pages % SRC_RUN == 0
+    # the file every benchmark process reads gives back the same plan
+    plan.save(tmp_path / "plan.npz")
+    again = Plan.load(str(tmp_path / "plan.npz"))
+    assert again.workload == plan.workload and again.num_pages == plan.num_pages
+    assert [(r.room, r.tokens, r.src.tolist(), r.dst.tolist()) for r in again.rooms] == [
+        (r.room, r.tokens, r.src.tolist(), r.dst.tolist()) for r in plan.rooms
+    ]
+    assert make_plan(w, seed=5).rooms[7].dst.tolist() == plan.rooms[7].dst.tolist()  # deterministic
+
+
+def test_planning_measurement_counts_blocks():
+    t = time_planning(TINY, 1000)
+    assert t["page_indices"] == 1000
+    assert t["blocks"] % 4 == 0 and 0.9 * 4000 <= t["blocks"] <= 4000  # scattered: (nearly) a block per page and region
+    assert t["bytes"] == 1000 * 4 * 256
+    assert t["plan_s"] >= 0 and t["to_lists_s"] >= 0
+
+
+def test_every_bench_flag_is_explained():
+    parser = build_parser()
+    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command")
+    bench = sub.choices["bench"]
+    for action in bench._actions:
+        if action.dest != "help":
+            assert action.help and len(action.help) > 15, f"{action.option_strings} has no help"
+
+
+TINY_FLAGS = [
+    "--repeat", "1", "--large-rooms", "2", "--large-in-flight", "2", "--large-mib", "2-4",
+    "--medium-rooms", "6", "--medium-in-flight", "3", "--medium-mib", "1-2",
+    "--small-rooms", "30", "--small-in-flight", "8", "--sweep", "1,8", "--sweep-rooms", "10",
+    "--layers", "2", "--plan-indices", "2000", "--timeout", "60", "--json",
+]
+
+
+def bench(*flags: str) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", *TINY_FLAGS, *flags],
+                          capture_output=True, text=True, timeout=240)
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_bench_runs_every_workload_and_system_at_a_tiny_size():
+    code, report, err = bench()
+    assert code == 0, err
+    assert report["ok"]
+    assert set(report["workloads"]) == {"large", "medium", "small", "sweep-1"}  # sweep-8 is small's runs
+    assert report["sweep"] == [{"in_flight": 1, "workload": "sweep-1"}, {"in_flight": 8, "workload": "small"}]
+    for name, wl in report["workloads"].items():
+        expected = {"baseline", "pdxfer"} | ({"wire"} if name != "sweep-1" else set())
+        assert set(wl["systems"]) == expected, name
+        for system, result in wl["systems"].items():
+            assert result["mismatches"] == 0 and not result["errors"], (name, system, result["errors"])
+            (run,) = result["runs"]
+            assert run["ok"] == wl["workload"]["rooms"], (name, system)
+            assert run["bytes"] == wl["kv_bytes"], (name, system)
+            assert result["median"]["gbps"] > 0
+        # same block lists: the baseline submitted exactly what pdxfer plans
+        assert wl["systems"]["baseline"]["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
+        assert wl["ratios"]["pdxfer/baseline"]["blocks_per_room"] == pytest.approx(1.0)
+        assert wl["systems"]["pdxfer"]["median"]["p99_ms"] is not None
+        assert wl["systems"]["pdxfer"]["median"]["cpu_s_per_gb"] is not None
+        assert wl["systems"]["pdxfer"]["median"]["rss_idle_mib"] > 0
+    unmeasured = {t["target"] for t in report["targets"] if t["met"] is None}
+    assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
+    assert "rooms" in err and "GB/s" in err  # the progress bar, on stderr
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_bench_catches_a_corrupted_byte_in_every_system():
+    code, report, err = bench("--workloads", "small", "--corrupt", "wire,baseline,pdxfer")
+    assert code == 1
+    assert not report["ok"]
+    for system, result in report["workloads"]["small"]["systems"].items():
+        assert result["mismatches"] == 1, (system, result)
+        assert f"VERIFICATION FAILED: 1 room(s) of small on {system}" in err
