@@ -52,6 +52,7 @@ class Daemon:
         self._bootstrap: Router | None = None
         self._links: dict[str, tuple[Dealer, asyncio.Task]] = {}
         self._tasks: list[asyncio.Task] = []
+        self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
 
     # --- lifecycle
@@ -122,6 +123,7 @@ class Daemon:
         service.session = self.session
         service.bootstrap_address = self.bootstrap_address
         service.send_engine = self._send_engine
+        service.release_mapping = self._release_mapping
         service.pump = self.pump
         return service
 
@@ -177,7 +179,7 @@ class Daemon:
             for pool in (self.service.kv, self.service.aux):
                 if pool is not None:
                     pool.memory.close()
-            for mapping in self.service.retired:
+            for _, mapping in self.service.retired:
                 mapping.close()
         log.info("pdxfer %s daemon %s stopped", self.config.role.value, self.config.instance)
 
@@ -236,6 +238,23 @@ class Daemon:
 
     def _send_bootstrap(self, identity: bytes, message: Message) -> None:
         self._bootstrap.send(identity, *self.seal.seal(self.codec.encode(message)))
+
+    def _release_mapping(self, mapping) -> None:
+        """Unregister a replaced engine buffer from the transport, then unmap it."""
+
+        async def release() -> None:
+            await asyncio.get_running_loop().run_in_executor(None, self.transport.unregister, mapping.address)
+            mapping.close()
+
+        task = asyncio.create_task(release())
+        self._oneshots.add(task)
+        task.add_done_callback(self._oneshot_done)
+
+    def _oneshot_done(self, task: asyncio.Task) -> None:
+        self._oneshots.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.service.count_failure("task:one-shot")
+            log.error("background step failed: %r", task.exception())
 
     def _transport_reset(self, session: str) -> None:
         self.session = self.service.session = session

@@ -74,7 +74,10 @@ class RoomService:
         )
         self.kv: KVPool | None = None
         self.aux: AuxBuffer | None = None
-        self.retired: list = []  # replaced mappings, closed when the daemon stops
+        # Replaced mappings, (release time, mapping): writes of the rooms failed with
+        # them may still touch them until their lease and fence ran out.
+        self.retired: list[tuple[float, object]] = []
+        self.release_mapping: Callable[[object], None] = lambda mapping: mapping.close()
         self.finished: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # released rooms: (state, code, reason)
         self.session = ""  # transfer engine session id, set by the daemon
         self.bootstrap_address = ""
@@ -166,8 +169,7 @@ class RoomService:
         else:
             mapped = await self._map(msg.memory)
             if old is not None:
-                # Writes of the rooms failed below may still touch it; unmapped at stop.
-                self.retired.append(old.memory)
+                self._retire(old.memory)
         self.kv = KVPool(mapped, msg.layout, msg.memory_version, kind, msg.memory)
         if same:
             self._fail_live(f"the engine re-registered its KV pool (memory version {old.version} -> {msg.memory_version})", old.version)
@@ -189,7 +191,7 @@ class RoomService:
         if self.aux is not None:
             # The old slots' rooms cannot finish; late writes land in the retired mapping.
             self._fail_live("the engine registered a new aux buffer (a restarted engine?)")
-            self.retired.append(self.aux.memory)
+            self._retire(self.aux.memory)
         self.aux = AuxBuffer(mapped, msg.num_slots, msg.slot_bytes)
         log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
         self.on_kv_registered()
@@ -204,6 +206,10 @@ class RoomService:
             mapped.close()
             raise
         return mapped
+
+    def _retire(self, mapping) -> None:
+        grace = self.config.transfer_timeout + self.config.fence_timeout
+        self.retired.append((self.clock() + grace, mapping))
 
     def on_kv_registered(self) -> None:
         """Hook: the decode role re-announces its pools to its peers."""
@@ -345,6 +351,11 @@ class RoomService:
             else:
                 limit = self.rooms.timeouts.for_state(room.state)
                 self.fail(room, ErrorCode.TIMEOUT, f"no progress for {limit:g}s in {room.state.value} (peer {room.peer or 'unknown'})")
+        if self.retired and self.retired[0][0] <= now:
+            due = [m for t, m in self.retired if t <= now]
+            self.retired = [(t, m) for t, m in self.retired if t > now]
+            for mapping in due:
+                self.release_mapping(mapping)
         if self.aux is not None:
             for slot in self.aux.slots.expire_fences(now):
                 room = self.rooms.find(slot.room)

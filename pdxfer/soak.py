@@ -1,0 +1,138 @@
+"""``pdxfer soak``: minutes of rooms with every fault mixed in, to catch leaks and
+rare corruptions the test suite is too short to see.
+
+Each round runs the chaos engines (random aborts on both sides, stalls, 4 aux slots)
+against a prefill daemon whose transport delays completions, replays late aux
+writes into reused slots and fails a few writes. Between rounds the decode daemon
+is killed (-9) and restarted under a new incarnation, or the prefill daemon is
+frozen (SIGSTOP) past the heartbeat bound and thawed. Every round prints its rooms,
+failures by reason, corruptions (must stay 0) and both daemons' resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+
+from .chaos import ChaosSpec, run_chaos, settled_stats
+from .launch import DaemonProcess, LaunchError, start_daemon
+
+FAULTS = "delay=0.3:3,ghost=0.3:15,fail=0.002"
+TIMING = [
+    "--heartbeat-interval", "0.5", "--heartbeat-misses", "4", "--fence-timeout", "1",
+    "--transfer-timeout", "5", "--bootstrap-timeout", "5", "--waiting-timeout", "5",
+    "--aux-path", "transfer_engine", "--log-level", "warning",
+]
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.runtime = ""
+        self.prefill: DaemonProcess | None = None
+        self.decode: DaemonProcess | None = None
+        self.logs: dict[str, object] = {}
+
+    def _start(self, role: str) -> DaemonProcess:
+        log = self.logs.setdefault(role, open(os.path.join(self.runtime, f"{role}.log"), "a"))
+        flags = list(TIMING)
+        if role == "prefill":
+            flags += ["--inject-faults", f"{FAULTS},seed={self.rng.randrange(1 << 30)}"]
+        return start_daemon(role, self.runtime, *flags, stderr=log)
+
+    def _disturb(self, round_no: int) -> str:
+        """A daemon-level fault between rounds."""
+        what = round_no % 3
+        if what == 1:
+            self.decode.proc.kill()
+            self.decode.proc.wait()
+            self.decode = self._start("decode")
+            return "decode daemon killed (-9) and restarted"
+        if what == 2:
+            pause = self.rng.uniform(0.5, 3.5)  # heartbeat bound is 2 s: some freezes are deaths
+            os.kill(self.prefill.pid, signal.SIGSTOP)
+            time.sleep(pause)
+            os.kill(self.prefill.pid, signal.SIGCONT)
+            return f"prefill daemon frozen {pause:.1f}s"
+        return "none"
+
+    def run(self) -> int:
+        args = self.args
+        self.runtime = tempfile.mkdtemp(prefix="pdxfer-soak-")
+        totals: Counter = Counter()
+        corruptions = caught = rooms = 0
+        try:
+            self.prefill, self.decode = self._start("prefill"), self._start("decode")
+            start_rss = (rss_mib(self.prefill.pid), rss_mib(self.decode.pid))
+            print(f"soak: {args.minutes:g} min, rounds of {args.rooms} rooms, faults {FAULTS} + aborts + daemon kills/freezes", flush=True)
+            print(f"start RSS: prefill {start_rss[0]:.1f} MiB, decode {start_rss[1]:.1f} MiB", flush=True)
+            deadline = time.monotonic() + args.minutes * 60
+            round_no = 0
+            while time.monotonic() < deadline:
+                round_no += 1
+                disturbance = self._disturb(round_no) if round_no > 1 else "none"
+                spec = ChaosSpec(rooms=args.rooms, in_flight=4, slots=4, abort_rate=0.1, seed=self.rng.randrange(1 << 30))
+                report = asyncio.run(run_chaos(self.prefill.engine, self.decode.engine, self.prefill.bootstrap, spec))
+                rooms += report.rooms
+                corruptions += report.corruptions
+                caught += report.caught_after_success
+                totals.update(report.decode)
+                print(
+                    f"round {round_no:3d} [{disturbance}]: {report.line()}; RSS prefill {rss_mib(self.prefill.pid):.1f} MiB, "
+                    f"decode {rss_mib(self.decode.pid):.1f} MiB",
+                    flush=True,
+                )
+            leaks = []
+            for daemon in (self.prefill, self.decode):
+                stats = asyncio.run(settled_stats(daemon.engine, timeout=30))
+                if sum(stats.rooms.values()) or stats.slots.get("free") != 4:
+                    leaks.append(f"{daemon.role}: rooms {stats.rooms}, slots {stats.slots}")
+            end_rss = (rss_mib(self.prefill.pid), rss_mib(self.decode.pid))
+        except LaunchError as exc:
+            print(f"pdxfer soak: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            for daemon in (self.prefill, self.decode):
+                if daemon is not None:
+                    daemon.stop()
+            for fh in self.logs.values():
+                fh.close()
+        summary = {
+            "rooms": rooms,
+            "decode outcomes": dict(totals),
+            "caught after success": caught,
+            "corruptions": corruptions,
+            "leaks": leaks,
+            "prefill RSS MiB": [round(start_rss[0], 1), round(end_rss[0], 1)],
+            "decode RSS MiB (restarted daemons start over)": [round(start_rss[1], 1), round(end_rss[1], 1)],
+        }
+        print("summary: " + json.dumps(summary, indent=2))
+        print(f"daemon logs kept in {self.runtime}")
+        return 1 if corruptions or leaks else 0
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    return Soak(args).run()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=5.0, help="how long to run (default: 5)")
+    parser.add_argument("--rooms", type=int, default=1000, help="rooms per round (default: 1000)")
+    parser.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
