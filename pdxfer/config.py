@@ -34,6 +34,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     engine_endpoint: Annotated[
         str, _doc("ZMQ endpoint engines connect to; default: ipc://RUNTIME_DIR/NAME.engine.sock (tcp:// allowed)")
     ] = ""
+    admin_endpoint: Annotated[
+        str, _doc("ZMQ endpoint of the admin API (pdxfer rooms/peers/slots/top); default: ipc://RUNTIME_DIR/NAME.admin.sock (tcp:// allowed)")
+    ] = ""
+    admin_writes: Annotated[bool, _doc("allow operator actions through the admin API (pdxfer room ID --fail, pdxfer peer P --drain)")] = False
+    http_port: Annotated[
+        int, _doc("TCP port for /metrics (Prometheus), /healthz and /readyz on --host; 0: off", ge=0, le=65535)
+    ] = 0
+    drain_timeout: Annotated[
+        float, _doc("on SIGTERM: stop admitting rooms, let live ones finish for this many seconds, fail the rest, exit", ge=0)
+    ] = 30.0
     host: Annotated[str, _doc("address this daemon binds and advertises to peers and the transfer engine")] = "127.0.0.1"
     bootstrap_port: Annotated[
         int, _doc("prefill: TCP port of the bootstrap endpoint decode daemons connect to (0: any free port)", ge=0, le=65535)
@@ -87,6 +97,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     @property
     def engine_address(self) -> str:
         return self.engine_endpoint or f"ipc://{self.socket_dir}/{self.instance}.engine.sock"
+
+    @property
+    def admin_address(self) -> str:
+        return self.admin_endpoint or f"ipc://{self.socket_dir}/{self.instance}.admin.sock"
 
 
 def default_runtime_dir(env: Mapping[str, str]) -> str:

@@ -1,9 +1,11 @@
 """The daemon: wires a role's service to its sockets, the transfer pump and the
-transport, and owns the lifecycle (start, serve, stop).
+transport, and owns the lifecycle (start, serve, drain, stop).
 
 Start-up follows paths.startup_steps: bind the device, initialise the transport,
-open the bootstrap endpoint, and open the engine endpoint last. Every background
-task is supervised: an exception is logged, counted, and the task restarted (H1).
+open the bootstrap endpoint, and open the engine endpoint (with the admin endpoint
+and the HTTP endpoint) last. Every background task is supervised: an exception is
+logged, counted, and the task restarted (H1). SIGTERM drains: no new rooms, live
+rooms get --drain-timeout to finish, the rest fail with a reason, then it exits.
 """
 
 from __future__ import annotations
@@ -14,17 +16,21 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from typing import Awaitable, Callable
 
+import msgspec
 import zmq.asyncio
 
-from . import memory, paths
+from . import admin, memory, paths
 from .config import Config
 from .decode import DecodeService
 from .prefill import PrefillService
-from .errors import BadMessage, Unsupported
-from .protocol import Codec, ErrorCode, Message, PeerError, PeerRefused, Role
+from .errors import BadMessage, PdxferError, Unsupported
+from .http import HttpEndpoint
+from .metrics import Metrics
+from .protocol import Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Transport
 from .wire import Dealer, Router, Seal, Unauthenticated
@@ -46,6 +52,13 @@ class Daemon:
         self.bootstrap_address = ""
         self.session = ""
         self.task_failures = 0
+        self.started = time.monotonic()
+        self.draining = False
+        self.metrics: Metrics | None = None
+        self.http_port = 0
+        self.admin_endpoint = ""
+        self._http: HttpEndpoint | None = None
+        self._admin: Router | None = None
         self.seal = Seal(self.incarnation)
         self._ctx: zmq.asyncio.Context | None = None
         self._engine: Router | None = None
@@ -76,14 +89,22 @@ class Daemon:
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self.engine_endpoint = self._engine.start()
+                self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
+                self.admin_endpoint = self._admin.start()
         self.pump = TransferPump(self.transport, self._window(), loop)
         self.service = self._make_service()
         self.pump.on_reset = self._transport_reset
         self.pump.start()
+        self.metrics = Metrics(self)
+        self.service.rooms.observer = self._observe
+        if cfg.http_port:
+            self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
+            self.http_port = await self._http.start()
         self._spawn("engine", self._engine_loop)
         if self._bootstrap is not None:
             self._spawn("bootstrap", self._bootstrap_loop)
         self._spawn("ticker", self._ticker)
+        self._spawn("admin", self._admin_loop)
         log.info(
             "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
             cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
@@ -134,6 +155,8 @@ class Daemon:
                 "role": self.config.role.value,
                 "name": self.config.instance,
                 "engine": self.engine_endpoint,
+                "admin": self.admin_endpoint,
+                "http_port": self.http_port,
                 "bootstrap": self.bootstrap_address,
                 "session": self.session,
                 "incarnation": self.incarnation,
@@ -142,7 +165,7 @@ class Daemon:
         )
 
     async def run(self) -> None:
-        """Start, print the ready line, serve until SIGTERM/SIGINT, then stop."""
+        """Start, print the ready line, serve until SIGTERM/SIGINT, drain, then stop."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
@@ -151,8 +174,22 @@ class Daemon:
             sys.stdout.write(self.ready_line() + "\n")
             sys.stdout.flush()
             await self._stopping.wait()
+            await self.drain()
         finally:
             await self.stop()
+
+    async def drain(self) -> None:
+        """Admit no new rooms; give live ones drain_timeout to finish; fail the rest."""
+        self.draining = self.service.draining = True
+        live = lambda: sum(1 for room in self.service.rooms if not room.finished)  # noqa: E731
+        log.info("draining: %d live rooms, up to %gs", live(), self.config.drain_timeout)
+        deadline = time.monotonic() + self.config.drain_timeout
+        while live() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = self.service.fail_live(ErrorCode.ABORTED, f"the {self.config.role.value} daemon shut down (drain timeout {self.config.drain_timeout:g}s)")
+        if failed:
+            log.warning("drain timeout: failed %d rooms still live", failed)
+            await asyncio.sleep(0.2)  # let the failures reach engines and peers
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -166,7 +203,9 @@ class Daemon:
         self._tasks.clear()
         if self.pump is not None:
             self.pump.stop()
-        for sock in (self._engine, self._bootstrap, *(d for d, _ in self._links.values())):
+        if self._http is not None:
+            self._http.close()
+        for sock in (self._engine, self._admin, self._bootstrap, *(d for d, _ in self._links.values())):
             if sock is not None:
                 sock.close()
         self._links.clear()
@@ -225,6 +264,36 @@ class Daemon:
                 self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
                 continue
             service.on_peer(identity, incarnation, payload)
+
+    async def _admin_loop(self) -> None:
+        router, codec = self._admin, self.codec
+        while True:
+            identity, frames = await router.recv()
+            try:
+                _, payload = self.seal.open(frames)
+                reply = admin.handle(self, codec.admin_requests.decode(payload))
+            except PdxferError as exc:
+                reply = Error(req=0, code=exc.code, message=exc.message)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
+            router.send(identity, *self.seal.seal(codec.encode(reply)))
+
+    def _observe(self, room, left, now: float) -> None:
+        self.metrics.observe(room, left, now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
+                      f" [{room.code.value}] {room.reason}" if room.code else "")
+
+    def _metrics_page(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain", b"ok\n"
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        waiting = admin.not_ready(self)
+        body = json.dumps({"ready": not waiting, "waiting_for": waiting}).encode() + b"\n"
+        return (503 if waiting else 200), "application/json", body
 
     async def _ticker(self) -> None:
         while True:

@@ -18,6 +18,7 @@ new incarnation answered at its address) fences its rooms at once.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +40,7 @@ from .protocol import (
     Ok,
     PeerError,
     PeerHello,
+    PeerInfo,
     PeerRefused,
     PeerWelcome,
     Role,
@@ -79,6 +81,10 @@ class PrefillLink:
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
     unfenced: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) waiting for this prefill
+    draining: bool = False
+    beat_wall: float = 0.0  # wall clock when the last heartbeat left
+    rtt: float = -1.0  # seconds, from the last answered heartbeat
+    skew: float = 0.0  # the prefill's wall clock minus ours
 
 
 @dataclass(eq=False)
@@ -112,6 +118,9 @@ class DecodeService(RoomService):
     def on_expect(self, identity: bytes, msg: Expect) -> Message:
         kv, _ = self._kv(), self._aux()
         endpoint = bootstrap_endpoint(msg.bootstrap)
+        link = self.links.get(endpoint)
+        if link is not None and link.draining:
+            raise errors.Busy(f"an operator is draining prefill {endpoint}: no new rooms with it", room=msg.room, retry_after_ms=1000)
         try:
             dst = pages_from_bytes(msg.pages)
         except ValueError as exc:
@@ -197,6 +206,10 @@ class DecodeService(RoomService):
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
         if isinstance(msg, HeartbeatAck):
+            if msg.seq == link.beats:
+                link.rtt = self.clock() - link.last_beat
+                if msg.wall:
+                    link.skew = msg.wall - (link.beat_wall + link.rtt / 2)
             return
         if isinstance(msg, PeerWelcome):
             link.ready, link.incarnation, link.session = True, msg.incarnation, msg.session
@@ -345,9 +358,11 @@ class DecodeService(RoomService):
         for link in list(self.links.values()):
             link.unfenced = {(s, g) for s, g in link.unfenced if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
             if now - link.last_beat >= interval:
+                if link.beats and link.last_heard < link.last_beat:
+                    self.heartbeat_misses += 1  # not a word since the last one
                 link.beats += 1
-                link.last_beat = now
-                self.send_link(link.endpoint, Heartbeat(seq=link.beats))
+                link.last_beat, link.beat_wall = now, time.time()
+                self.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall))
             if link.rooms and now - link.last_heard > limit:
                 self.declare_dead(link, f"prefill {link.endpoint} answered nothing for {now - link.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
 
@@ -416,3 +431,22 @@ class DecodeService(RoomService):
 
     def peer_count(self) -> int:
         return len(self.links)
+
+    def peer_infos(self, now: float, wall: float) -> list[PeerInfo]:
+        return [
+            PeerInfo(
+                address=link.endpoint, name=link.endpoint, incarnation=link.incarnation,
+                state="draining" if link.draining else ("alive" if link.ready else "connecting"),
+                last_heard=now - link.last_heard, rtt_ms=link.rtt * 1000 if link.rtt >= 0 else -1.0,
+                clock_skew_ms=link.skew * 1000, rooms=len(link.rooms),
+            )
+            for link in self.links.values()
+        ]
+
+    def drain(self, peer: str) -> None:
+        matched = [link for link in self.links.values() if peer in link.endpoint]
+        if not matched:
+            raise errors.PdxferError(f"no prefill link matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
+        for link in matched:
+            link.draining = True
+            log.warning("operator drains prefill %s: no new rooms, %d finishing", link.endpoint, len(link.rooms))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -44,6 +45,7 @@ from .protocol import (
     Ok,
     PeerError,
     PeerHello,
+    PeerInfo,
     PeerRefused,
     PeerWelcome,
     Role,
@@ -73,6 +75,8 @@ class DecodePeer:
     hello: PeerHello
     last_heard: float
     rooms: set[int] = field(default_factory=set)
+    draining: bool = False
+    skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
 
     @property
     def label(self) -> str:
@@ -170,7 +174,10 @@ class PrefillService(RoomService):
                 raise PdxferError("this prefill daemon does not know you (it restarted, or declared you dead): say peer_hello", code=ErrorCode.UNKNOWN_PEER, side=errors.Side.PEER)
             peer.last_heard = self.clock()
             if isinstance(msg, Heartbeat):
-                self.send_peer(identity, HeartbeatAck(seq=msg.seq))
+                wall = time.time()
+                if msg.wall:
+                    peer.skew = msg.wall - wall
+                self.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall))
             elif isinstance(msg, RoomRequest):
                 self._request(peer, msg)
             elif isinstance(msg, RoomAck):
@@ -246,6 +253,9 @@ class PrefillService(RoomService):
             dst = pages_from_bytes(msg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room, side=errors.Side.PEER) from None
+        if peer.draining or self.draining:
+            who = "this prefill daemon is draining for shutdown" if self.draining else "an operator is draining this decode daemon here"
+            raise errors.Busy(f"{who}: no new rooms", room=msg.room, retry_after_ms=1000)
         if len(peer.rooms) >= self.config.max_rooms_per_peer:
             raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
         if room is None:
@@ -417,3 +427,21 @@ class PrefillService(RoomService):
 
     def peer_count(self) -> int:
         return len(self.peers)
+
+    def peer_infos(self, now: float, wall: float) -> list[PeerInfo]:
+        return [
+            PeerInfo(
+                address=p.hello.session, name=p.hello.name, incarnation=p.hello.incarnation,
+                state="draining" if p.draining else "alive", last_heard=now - p.last_heard, rtt_ms=-1.0,
+                clock_skew_ms=p.skew * 1000, rooms=len(p.rooms),
+            )
+            for p in self.peers.values()
+        ]
+
+    def drain(self, peer: str) -> None:
+        matched = [p for p in self.peers.values() if peer in p.hello.session or peer in p.hello.name]
+        if not matched:
+            raise errors.PdxferError(f"no decode peer matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
+        for p in matched:
+            p.draining = True
+            log.warning("operator drains decode daemon %s: no new rooms, %d finishing", p.hello.name or p.label, len(p.rooms))

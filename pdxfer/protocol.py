@@ -24,7 +24,7 @@ import enum
 import hashlib
 import json
 import sys
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -410,10 +410,12 @@ class Heartbeat(Message, tag="heartbeat"):
     """Decode -> prefill every heartbeat interval on every link."""
 
     seq: Count
+    wall: float = 0.0  # sender's wall clock, seconds since the epoch
 
 
 class HeartbeatAck(Message, tag="heartbeat_ack"):
     seq: Count
+    wall: float = 0.0  # the prefill's wall clock when it answered: the decode estimates skew from it
 
 
 class PeerError(Message, tag="peer_error"):
@@ -440,6 +442,120 @@ PeerMessage = Union[
 ]
 
 
+# --- operator <-> daemon (admin endpoint; read-only unless the daemon runs with --admin-writes)
+
+
+class RoomInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    room: int
+    role: Role
+    state: RoomState
+    age: float  # seconds since the room was created
+    in_state: float  # seconds in its current state
+    peer: str
+    slot: int
+    generation: int
+    bytes_planned: int
+    bytes_moved: int
+    fenced: bool
+    code: ErrorCode | None = None
+    reason: str = ""
+    history: tuple[tuple[RoomState, float], ...] = ()  # (state, seconds after creation); in admin_room replies
+
+
+class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    address: str  # bootstrap endpoint (decode side) or transfer session (prefill side)
+    name: str
+    incarnation: str
+    state: str  # alive, draining, connecting
+    last_heard: float  # seconds ago
+    rtt_ms: float  # heartbeat round trip (decode side; -1 where unknown)
+    clock_skew_ms: float  # peer's wall clock minus ours, estimated from heartbeats (0 where unknown)
+    rooms: int
+
+
+class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    state: str
+    room: int
+    generation: int
+    since: float  # seconds in this state
+    fence_in: float = 0.0  # quarantined: seconds until the fence deadline
+
+
+class AdminRooms(Message, tag="admin_rooms"):
+    req: ReqId
+    state: RoomState | None = None
+    peer: str = ""
+    older_than: float = 0.0  # seconds
+
+
+class AdminRoom(Message, tag="admin_room"):
+    """One room in full; with ``fail`` (needs --admin-writes) the operator fails it."""
+
+    req: ReqId
+    room: RoomId
+    fail: bool = False
+    reason: str = "failed by an operator"
+
+
+class AdminPeers(Message, tag="admin_peers"):
+    """The peer table; with ``drain`` (needs --admin-writes) stop new rooms with that peer."""
+
+    req: ReqId
+    drain: str = ""
+
+
+class AdminSlots(Message, tag="admin_slots"):
+    req: ReqId
+
+
+class AdminInfo(Message, tag="admin_info"):
+    req: ReqId
+
+
+AdminRequest = Union[AdminRooms, AdminRoom, AdminPeers, AdminSlots, AdminInfo]
+
+
+class RoomsReply(Message, tag="rooms"):
+    req: ReqId
+    rooms: list[RoomInfo]
+
+
+class PeersReply(Message, tag="peers"):
+    req: ReqId
+    peers: list[PeerInfo]
+
+
+class SlotsReply(Message, tag="slots"):
+    req: ReqId
+    slots: list[SlotInfo]
+
+
+class InfoReply(Message, tag="info"):
+    req: ReqId
+    role: Role
+    name: str
+    incarnation: str
+    version: int
+    uptime: float
+    wall: float
+    ready: bool
+    not_ready: list[str]  # what /readyz is waiting for
+    draining: bool
+    bootstrap: str
+    session: str
+    engine: str
+    config: dict[str, Any]
+    rooms: dict[str, int]
+    slots: dict[str, int]
+    failures: dict[str, int]
+    counters: dict[str, float]  # bytes_moved, blocks_submitted, rooms_succeeded, rooms_failed, ...
+    queues: dict[str, int]  # writes in flight per peer, jobs waiting
+
+
+AdminReply = Union[RoomsReply, PeersReply, SlotsReply, InfoReply, Ok, Error]
+
+
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     """The first of the two frames of every peer message: who sends (its incarnation,
     new on every start) and, when the cluster has a secret, an HMAC-SHA256 over the
@@ -462,15 +578,17 @@ class Codec:
         self.engine_requests = msgspec.msgpack.Decoder(EngineRequest)
         self.engine_replies = msgspec.msgpack.Decoder(EngineReply)
         self.peer_messages = msgspec.msgpack.Decoder(PeerMessage)
+        self.admin_requests = msgspec.msgpack.Decoder(AdminRequest)
+        self.admin_replies = msgspec.msgpack.Decoder(AdminReply)
 
     def encode(self, message: Message) -> bytes:
         return self.encoder.encode(message)
 
 
 def json_schema() -> dict:
-    """The JSON Schema of all three unions, as committed under proto/."""
-    (engine_req, engine_rep, peer), components = msgspec.json.schema_components(
-        [EngineRequest, EngineReply, PeerMessage], ref_template="#/$defs/{name}"
+    """The JSON Schema of every union, as committed under proto/."""
+    (engine_req, engine_rep, peer, admin_req, admin_rep), components = msgspec.json.schema_components(
+        [EngineRequest, EngineReply, PeerMessage, AdminRequest, AdminReply], ref_template="#/$defs/{name}"
     )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -483,6 +601,8 @@ def json_schema() -> dict:
             "EngineRequest": engine_req,
             "EngineReply": engine_rep,
             "PeerMessage": peer,
+            "AdminRequest": admin_req,
+            "AdminReply": admin_rep,
         },
     }
 

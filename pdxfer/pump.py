@@ -110,8 +110,13 @@ class TransferPump:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def in_flight(self) -> dict[str, int]:
-        return {name: len(peer.in_flight) for name, peer in self._peers.items()}
+    def depths(self) -> dict[str, int]:
+        """Writes in flight and jobs waiting, over all peers (read from another thread: a snapshot)."""
+        peers = list(self._peers.values())
+        return {
+            "writes_in_flight": sum(len(p.in_flight) for p in peers),
+            "jobs_waiting": sum(len(p.jobs) for p in peers) + len(self._inbox),
+        }
 
     def _run(self) -> None:
         pause = 0.0

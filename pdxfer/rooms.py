@@ -17,6 +17,7 @@ import enum
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .errors import Busy, DuplicateRoom, IllegalTransition, UnknownRoom
 from .protocol import ErrorCode, Role, RoomState
@@ -110,6 +111,8 @@ class RoomTable:
     def __init__(self, capacity: int, timeouts: Timeouts) -> None:
         self.capacity = capacity
         self.timeouts = timeouts
+        # Told of every state change: (room, the state it left, now). Metrics and logs.
+        self.observer: Callable[[Room, RoomState | None, float], None] | None = None
         self._rooms: dict[int, Room] = {}
         # (deadline, ticket, room id); an entry counts only while it holds its room's
         # current ticket, so stale entries (older states, removed rooms, a later room
@@ -135,6 +138,8 @@ class RoomTable:
         room.history.append((B, now))
         self._rooms[room_id] = room
         self._schedule(room)
+        if self.observer is not None:
+            self.observer(room, None, now)
         return room
 
     def _schedule(self, room: Room) -> None:
@@ -170,11 +175,14 @@ class RoomTable:
         if target is F:
             room.code = code or ErrorCode.INTERNAL
             room.reason = reason or "failed"
+        left = room.state
         room.state = target
         room.entered = now
         room.deadline = now + self.timeouts.for_state(target)
         room.history.append((target, now))
         self._schedule(room)
+        if self.observer is not None:
+            self.observer(room, left, now)
         return True
 
     def remove(self, room_id: int) -> Room | None:

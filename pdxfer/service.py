@@ -83,6 +83,10 @@ class RoomService:
         self.bootstrap_address = ""
         self.failures: collections.Counter[str] = collections.Counter()
         self.send_engine: Callable[[bytes, Message], None] = lambda identity, message: None
+        self.engines: set[bytes] = set()  # engine connections that said hello
+        self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
+        self.heartbeat_misses = 0
+        self.draining = False  # shutting down: no new rooms
         self.pump = None  # pump.TransferPump, set by the daemon
 
     # --- engine conversation
@@ -137,12 +141,17 @@ class RoomService:
         if isinstance(msg, EngineHello):
             if msg.version != PROTOCOL_VERSION:
                 raise errors.VersionMismatch(f"engine speaks protocol {msg.version}, this daemon speaks {PROTOCOL_VERSION}", side=errors.Side.ENGINE)
+            self.engines.add(identity)
             return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
-        if isinstance(msg, Send):
-            return self.on_send(identity, msg)
-        if isinstance(msg, Expect):
-            return self.on_expect(identity, msg)
+        if isinstance(msg, (Send, Expect)):
+            self.admit(msg.room)
+            return self.on_send(identity, msg) if isinstance(msg, Send) else self.on_expect(identity, msg)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
+
+    def admit(self, room: int) -> None:
+        """New rooms are refused while the daemon drains for shutdown."""
+        if self.draining:
+            raise errors.Busy("this daemon is draining for shutdown; send the request to another worker", retry_after_ms=1000, room=room)
 
     def on_send(self, identity: bytes, msg: Send) -> Message:
         raise errors.BadMessage(f"send() goes to a prefill daemon; this one is {self.role.value}", room=msg.room)
@@ -262,6 +271,7 @@ class RoomService:
         if not self.rooms.apply(room, Event.FAIL, now, code=code, reason=reason):
             return False
         self.count_failure(code.value)
+        self.outcomes["failed"] += 1
         log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason)
         if room.slot >= 0 and self.aux is not None:
             slot = self.aux.slots.slots[room.slot]
@@ -297,6 +307,25 @@ class RoomService:
     def peer_count(self) -> int:
         raise NotImplementedError
 
+    def peer_infos(self, now: float, wall: float) -> list:
+        """protocol.PeerInfo for every peer."""
+        raise NotImplementedError
+
+    def peer_states(self) -> dict[str, int]:
+        states = collections.Counter(p.state for p in self.peer_infos(self.clock(), 0.0))
+        return {state: states.get(state, 0) for state in ("alive", "draining", "connecting")}
+
+    def drain(self, peer: str) -> None:
+        """Operator action: no new rooms with peers whose address or name contains ``peer``."""
+        raise NotImplementedError
+
+    def fail_live(self, code: ErrorCode, reason: str) -> int:
+        """Fail every live room (shutdown); returns how many."""
+        live = [room for room in self.rooms if not room.finished]
+        for room in live:
+            self.fail(room, code, reason)
+        return len(live)
+
     def stop_writes(self, room: Room) -> bool:
         """Hook: stop whatever may still write for ``room`` and tell the peer. Return
         True if nothing can land any more (the room is fenced at once)."""
@@ -320,6 +349,7 @@ class RoomService:
 
     def succeed(self, room: Room) -> None:
         if self.rooms.apply(room, Event.DONE, self.clock()):
+            self.outcomes["success"] += 1
             room.fenced = True
             self.push(room, self.engine_of(room))
 

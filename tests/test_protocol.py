@@ -52,6 +52,30 @@ SAMPLES: dict[type, list[p.Message]] = {
     p.Abort: [p.Abort(req=9, room=13, reason="client went away")],
     p.Release: [p.Release(req=10, room=14)],
     p.GetStats: [p.GetStats(req=11)],
+    p.AdminRooms: [p.AdminRooms(req=1, state=p.RoomState.FAILED, peer="10.0.0.1", older_than=2.5), p.AdminRooms(req=2)],
+    p.AdminRoom: [p.AdminRoom(req=3, room=BIG, fail=True, reason="stuck")],
+    p.AdminPeers: [p.AdminPeers(req=4, drain="10.0.0.9")],
+    p.AdminSlots: [p.AdminSlots(req=5)],
+    p.AdminInfo: [p.AdminInfo(req=6)],
+    p.RoomsReply: [
+        p.RoomsReply(req=1, rooms=[p.RoomInfo(
+            room=BIG, role=p.Role.DECODE, state=p.RoomState.FAILED, age=3.5, in_state=1.0, peer="tcp://10.0.0.1:8998",
+            slot=2, generation=7, bytes_planned=4096, bytes_moved=0, fenced=True, code=p.ErrorCode.PEER_DEAD,
+            reason="prefill restarted", history=((p.RoomState.BOOTSTRAPPING, 0.0), (p.RoomState.FAILED, 2.5)),
+        )])
+    ],
+    p.PeersReply: [p.PeersReply(req=4, peers=[p.PeerInfo(
+        address="tcp://10.0.0.1:8998", name="p0", incarnation="abc", state="alive", last_heard=0.3, rtt_ms=0.2,
+        clock_skew_ms=-1.5, rooms=3,
+    )])],
+    p.SlotsReply: [p.SlotsReply(req=5, slots=[p.SlotInfo(index=0, state="quarantined", room=9, generation=4, since=0.5, fence_in=9.5)])],
+    p.InfoReply: [p.InfoReply(
+        req=6, role=p.Role.PREFILL, name="prefill", incarnation="abc", version=1, uptime=12.0, wall=1.7e9, ready=False,
+        not_ready=["no engine connected"], draining=False, bootstrap="10.0.0.1:8998", session="10.0.0.1:15000",
+        engine="ipc:///run/pdxfer/prefill.engine.sock", config={"role": "prefill", "max_rooms": 4096},
+        rooms={"success": 2}, slots={"free": 4}, failures={"timeout": 1}, counters={"bytes_moved": 1e9},
+        queues={"writes_in_flight": 3},
+    )],
     p.Stats: [p.Stats(req=11, rooms={"success": 3}, slots={"free": 4, "quarantined": 1}, failures={"timeout": 2}, peers=1)],
     p.Welcome: [p.Welcome(req=1, version=1, role=p.Role.DECODE, incarnation="abc", bootstrap="")],
     p.Ok: [p.Ok(req=2)],
@@ -88,8 +112,8 @@ SAMPLES: dict[type, list[p.Message]] = {
         p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=2**32 - 1, payload=b"abc"),
         p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=0, via_transfer_engine=True, kv_pages=5, kv_digest=7),
     ],
-    p.Heartbeat: [p.Heartbeat(seq=9)],
-    p.HeartbeatAck: [p.HeartbeatAck(seq=9)],
+    p.Heartbeat: [p.Heartbeat(seq=9, wall=1.7e9)],
+    p.HeartbeatAck: [p.HeartbeatAck(seq=9, wall=1.7e9 + 0.25)],
     p.RoomAck: [p.RoomAck(room=21)],
     p.RoomFailed: [p.RoomFailed(room=22, code=p.ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False)],
     p.PeerError: [p.PeerError(code=p.ErrorCode.UNKNOWN_ROOM, message="no room 23", room=23)],
@@ -99,12 +123,19 @@ UNIONS = {
     "engine_requests": p.EngineRequest,
     "engine_replies": p.EngineReply,
     "peer_messages": p.PeerMessage,
+    "admin_requests": p.AdminRequest,
+    "admin_replies": p.AdminReply,
 }
+SHARED = {p.Ok, p.Error}  # replies both the engine and the admin conversations use
 HANDLES = set(typing.get_args(p.MemoryHandle))
 
 
+def unions_of(cls: type) -> list[str]:
+    return [n for n, u in UNIONS.items() if cls in typing.get_args(u)]
+
+
 def union_of(cls: type) -> str:
-    (name,) = [n for n, u in UNIONS.items() if cls in typing.get_args(u)]
+    (name,) = unions_of(cls)
     return name
 
 
@@ -124,8 +155,10 @@ def test_samples_cover_every_message_kind():
     # and this file has a sample of each: a new message cannot skip these tests.
     messages = set(all_subclasses(p.Message)) - HANDLES
     assert set(SAMPLES) == messages
-    for cls in messages:
+    for cls in messages - SHARED:
         union_of(cls)  # exactly one
+    for cls in SHARED:
+        assert unions_of(cls) == ["engine_replies", "admin_replies"]
     tags = [p.tag_of(s[0]) for s in SAMPLES.values()]
     assert len(tags) == len(set(tags))
 
@@ -136,10 +169,10 @@ def test_samples_cover_every_message_kind():
 def test_round_trip(codec, message):
     raw = codec.encode(message)
     assert msgspec.msgpack.decode(raw)["kind"] == p.tag_of(message)
-    decoder = getattr(codec, union_of(type(message)))
-    decoded = decoder.decode(raw)
-    assert type(decoded) is type(message)
-    assert decoded == message
+    for union in unions_of(type(message)):
+        decoded = getattr(codec, union).decode(raw)
+        assert type(decoded) is type(message)
+        assert decoded == message
 
 
 def test_a_message_from_another_conversation_is_rejected(codec):
@@ -197,7 +230,7 @@ def test_protocol_version_appears_in_the_schema():
     schema = json.loads(p.schema_text())
     assert schema["protocol_version"] == p.PROTOCOL_VERSION
     assert f"v{p.PROTOCOL_VERSION}" in schema["title"]
-    assert set(schema["properties"]) == {"EngineRequest", "EngineReply", "PeerMessage"}
+    assert set(schema["properties"]) == {"EngineRequest", "EngineReply", "PeerMessage", "AdminRequest", "AdminReply"}
     # Every message kind is described, so a non-Python engine can speak the protocol.
     for cls in SAMPLES:
         assert cls.__name__ in schema["$defs"]

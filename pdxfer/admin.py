@@ -1,0 +1,129 @@
+"""The admin API: what ``pdxfer rooms``, ``room``, ``peers``, ``slots``, ``top`` and
+``doctor`` ask a running daemon. Read-only unless the daemon runs with
+--admin-writes; requests are signed like bootstrap messages when the cluster has a
+secret (see wire.Seal)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from . import errors
+from .protocol import (
+    PROTOCOL_VERSION,
+    AdminInfo,
+    AdminPeers,
+    AdminRoom,
+    AdminRooms,
+    AdminSlots,
+    Error,
+    ErrorCode,
+    InfoReply,
+    Message,
+    PeersReply,
+    RoomInfo,
+    RoomsReply,
+    SlotInfo,
+    SlotsReply,
+)
+from .rooms import Room
+from .slots import SlotState
+
+
+def room_info(room: Room, now: float, history: bool = False) -> RoomInfo:
+    return RoomInfo(
+        room=room.id, role=room.role, state=room.state, age=now - room.created, in_state=now - room.entered,
+        peer=room.peer, slot=room.slot, generation=room.generation, bytes_planned=room.bytes_planned,
+        bytes_moved=room.bytes_moved, fenced=room.fenced, code=room.code, reason=room.reason,
+        history=tuple((state, at - room.created) for state, at in room.history) if history else (),
+    )
+
+
+def slot_infos(aux, now: float) -> list[SlotInfo]:
+    if aux is None:
+        return []
+    return [
+        SlotInfo(
+            index=s.index, state=s.state.value, room=s.room, generation=s.generation, since=now - s.since if s.since else 0.0,
+            fence_in=max(0.0, s.fence_deadline - now) if s.state is SlotState.QUARANTINED else 0.0,
+        )
+        for s in aux.slots.slots
+    ]
+
+
+def not_ready(daemon) -> list[str]:
+    """What /readyz waits for; empty when ready."""
+    service = daemon.service
+    waiting = []
+    if not daemon.session:
+        waiting.append("transfer engine not initialised")
+    if service is None or service.kv is None:
+        waiting.append("no KV pool registered")
+    if service is None or service.aux is None:
+        waiting.append("no aux buffer registered")
+    if service is None or not service.engines:
+        waiting.append("no engine connected")
+    if daemon.draining:
+        waiting.append("draining for shutdown")
+    return waiting
+
+
+def info(daemon, req: int = 0) -> InfoReply:
+    service, pump, cfg = daemon.service, daemon.pump, daemon.config
+    stats = service.stats()
+    counters = {
+        "bytes_moved": float(pump.bytes_done),
+        "blocks_submitted": float(pump.blocks_submitted),
+        "failed_writes": float(pump.failed_writes),
+        "transport_resets": float(pump.resets),
+        "rooms_succeeded": float(service.outcomes["success"]),
+        "rooms_failed": float(service.outcomes["failed"]),
+    }
+    waiting = not_ready(daemon)
+    return InfoReply(
+        req=req, role=cfg.role, name=cfg.instance, incarnation=daemon.incarnation, version=PROTOCOL_VERSION,
+        uptime=time.monotonic() - daemon.started, wall=time.time(), ready=not waiting, not_ready=waiting,
+        draining=daemon.draining, bootstrap=daemon.bootstrap_address, session=daemon.session, engine=daemon.engine_endpoint,
+        config=msgspec.to_builtins(cfg), rooms=stats.rooms, slots=stats.slots, failures=stats.failures,
+        counters=counters, queues=pump.depths(),
+    )
+
+
+def handle(daemon, msg: Message) -> Message:
+    """Answer one admin request."""
+    service = daemon.service
+    now = service.clock()
+    try:
+        if isinstance(msg, AdminInfo):
+            return info(daemon, msg.req)
+        if isinstance(msg, AdminRooms):
+            rooms = [
+                room_info(r, now) for r in service.rooms
+                if (msg.state is None or r.state is msg.state)
+                and (not msg.peer or msg.peer in r.peer)
+                and now - r.created >= msg.older_than
+            ]
+            return RoomsReply(req=msg.req, rooms=sorted(rooms, key=lambda r: -r.age))
+        if isinstance(msg, AdminRoom):
+            room = service.rooms.get(msg.room)
+            if msg.fail:
+                _writes_allowed(daemon, "fail a room")
+                if not service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}"):
+                    raise errors.BadMessage(f"room {room.id} already finished ({room.state.value})", room=room.id)
+            return RoomsReply(req=msg.req, rooms=[room_info(room, now, history=True)])
+        if isinstance(msg, AdminPeers):
+            if msg.drain:
+                _writes_allowed(daemon, "drain a peer")
+                service.drain(msg.drain)
+            return PeersReply(req=msg.req, peers=service.peer_infos(now, time.time()))
+        if isinstance(msg, AdminSlots):
+            return SlotsReply(req=msg.req, slots=slot_infos(service.aux, now))
+    except errors.PdxferError as exc:
+        return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
+    return Error(req=msg.req, code=ErrorCode.BAD_MESSAGE, message=f"unexpected admin request {type(msg).__name__}")
+
+
+def _writes_allowed(daemon, what: str) -> None:
+    if not daemon.config.admin_writes:
+        raise errors.PdxferError(f"this daemon's admin API is read-only: start it with --admin-writes to {what}", code=ErrorCode.UNSUPPORTED)
