@@ -10,7 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # so only hosts that have both get it.
 MOONCAKE_EXTRA := $(shell if command -v nvidia-smi >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libcudart; then echo mooncake; else echo mooncake-cpu; fi)
 STAMP := $(VENV)/.installed-$(MOONCAKE_EXTRA)
-APT_PACKAGES := libibverbs1 libnuma1
+APT_PACKAGES := libibverbs1 libnuma1 etcd-server iproute2
 PYTEST_ARGS ?=
 
 .PHONY: demo bench soak test deps system-deps schema clean
