@@ -62,7 +62,7 @@ def not_ready(daemon) -> list[str]:
         waiting.append("no KV pool registered")
     if service is None or service.aux is None:
         waiting.append("no aux buffer registered")
-    if service is None or not service.engines:
+    if service is None or not service.engines or not daemon.engine_connections():
         waiting.append("no engine connected")
     if daemon.draining:
         waiting.append("draining for shutdown")
@@ -79,6 +79,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         "transport_resets": float(pump.resets),
         "rooms_succeeded": float(service.outcomes["success"]),
         "rooms_failed": float(service.outcomes["failed"]),
+        "bytes_received": float(service.bytes_received),
     }
     waiting = not_ready(daemon)
     return InfoReply(
@@ -93,10 +94,10 @@ def info(daemon, req: int = 0) -> InfoReply:
 def handle(daemon, msg: Message) -> Message:
     """Answer one admin request."""
     service = daemon.service
-    now = service.clock()
     try:
         if isinstance(msg, AdminInfo):
             return info(daemon, msg.req)
+        now = service.clock()
         if isinstance(msg, AdminRooms):
             rooms = [
                 room_info(r, now) for r in service.rooms
@@ -111,7 +112,7 @@ def handle(daemon, msg: Message) -> Message:
                 _writes_allowed(daemon, "fail a room")
                 if not service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}"):
                     raise errors.BadMessage(f"room {room.id} already finished ({room.state.value})", room=room.id)
-            return RoomsReply(req=msg.req, rooms=[room_info(room, now, history=True)])
+            return RoomsReply(req=msg.req, rooms=[room_info(room, service.clock(), history=True)])
         if isinstance(msg, AdminPeers):
             if msg.drain:
                 _writes_allowed(daemon, "drain a peer")

@@ -44,6 +44,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     drain_timeout: Annotated[
         float, _doc("on SIGTERM: stop admitting rooms, let live ones finish for this many seconds, fail the rest, exit", ge=0)
     ] = 30.0
+    registry: Annotated[
+        str, _doc("etcd://host:port[/prefix]: register this daemon under a lease, find and watch peers there (decode engines may then name a prefill daemon instead of its address)")
+    ] = ""
+    registry_ttl: Annotated[float, _doc("seconds the registry lease outlives a daemon that stopped renewing it", ge=1)] = 5.0
+    transfer_metadata: Annotated[
+        str, _doc("where the transfer engine keeps segment metadata: P2PHANDSHAKE (no store) or etcd://host:port (may be the registry's etcd)")
+    ] = "P2PHANDSHAKE"
     host: Annotated[str, _doc("address this daemon binds and advertises to peers and the transfer engine")] = "127.0.0.1"
     bootstrap_port: Annotated[
         int, _doc("prefill: TCP port of the bootstrap endpoint decode daemons connect to (0: any free port)", ge=0, le=65535)

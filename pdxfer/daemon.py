@@ -30,6 +30,7 @@ from .prefill import PrefillService
 from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
+from .registry import DaemonRecord, Registry
 from .protocol import Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Transport
@@ -38,6 +39,7 @@ from .wire import Dealer, Router, Seal, Unauthenticated
 log = logging.getLogger("pdxfer.daemon")
 
 TICK_SECONDS = 0.05
+DRAIN_SETTLE = 2.0  # seconds a drain waits for the writes of the rooms it failed
 
 
 class Daemon:
@@ -58,6 +60,7 @@ class Daemon:
         self.http_port = 0
         self.admin_endpoint = ""
         self._http: HttpEndpoint | None = None
+        self.registry: Registry | None = None
         self._admin: Router | None = None
         self.seal = Seal(self.incarnation)
         self._ctx: zmq.asyncio.Context | None = None
@@ -101,10 +104,13 @@ class Daemon:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
             self.http_port = await self._http.start()
         self._spawn("engine", self._engine_loop)
+        self._spawn("engine-connections", self._engine.track_connections)
         if self._bootstrap is not None:
             self._spawn("bootstrap", self._bootstrap_loop)
         self._spawn("ticker", self._ticker)
         self._spawn("admin", self._admin_loop)
+        if cfg.registry:
+            await self._join_registry()
         log.info(
             "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
             cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
@@ -178,6 +184,22 @@ class Daemon:
         finally:
             await self.stop()
 
+    async def _join_registry(self) -> None:
+        cfg = self.config
+        self.registry = Registry(cfg.registry, cfg.registry_ttl, self.service.peer_gone)
+        record = DaemonRecord(
+            role=cfg.role, name=cfg.instance, incarnation=self.incarnation, bootstrap=self.bootstrap_address,
+            session=self.session, host=cfg.host,
+        )
+        await self.registry.register(record)
+        self.service.registry = self.registry
+        self._spawn("registry-keepalive", self.registry.keep_alive)
+        self._spawn("registry-watch", self._watch_registry)
+
+    async def _watch_registry(self) -> None:
+        await self.registry.watch()
+        raise ConnectionError("the etcd watch stream ended")  # restarted by the supervisor
+
     async def drain(self) -> None:
         """Admit no new rooms; give live ones drain_timeout to finish; fail the rest."""
         self.draining = self.service.draining = True
@@ -189,12 +211,22 @@ class Daemon:
         failed = self.service.fail_live(ErrorCode.ABORTED, f"the {self.config.role.value} daemon shut down (drain timeout {self.config.drain_timeout:g}s)")
         if failed:
             log.warning("drain timeout: failed %d rooms still live", failed)
-            await asyncio.sleep(0.2)  # let the failures reach engines and peers
+            # Give their cancelled writes a moment to settle, so peers hear "fenced"
+            # rather than waiting out the lease; then let the failures go out.
+            settle = time.monotonic() + DRAIN_SETTLE
+            while self.pump.depths()["writes_in_flight"] and time.monotonic() < settle:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
 
     def request_stop(self) -> None:
         self._stopping.set()
 
     async def stop(self) -> None:
+        if self.registry is not None:
+            try:  # go from the registry at once, rather than when the lease lapses
+                await asyncio.wait_for(self.registry.deregister(), 2)
+            except (PdxferError, asyncio.TimeoutError) as exc:
+                log.warning("could not deregister from etcd: %s", exc)
         for task in self._tasks:
             task.cancel()
         for _, task in self._links.values():
@@ -308,6 +340,9 @@ class Daemon:
     def _send_bootstrap(self, identity: bytes, message: Message) -> None:
         self._bootstrap.send(identity, *self.seal.seal(self.codec.encode(message)))
 
+    def engine_connections(self) -> int:
+        return self._engine.connections if self._engine is not None else 0
+
     def _release_mapping(self, mapping) -> None:
         """Unregister a replaced engine buffer from the transport, then unmap it."""
 
@@ -383,7 +418,7 @@ def read_secret(path: str) -> bytes:
 def make_transport(cfg: Config) -> Transport:
     from .transport.mooncake import MooncakeTransport
 
-    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices)
+    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata)
     if not cfg.inject_faults:
         return transport
     from .transport.faults import FaultInjectingTransport, FaultSpec

@@ -54,9 +54,11 @@ from .protocol import (
 from .rooms import Event, Room
 from .service import RoomService
 from .slots import SlotState
-from .stamp import Stamp, verify
+from .stamp import HEADER_BYTES, Stamp, verify
 
 log = logging.getLogger("pdxfer.decode")
+
+IDLE_LINK_SECONDS = 60.0  # an idle link not heard from for this long (or 10 heartbeat bounds) is closed
 
 
 def bootstrap_endpoint(address: str) -> str:
@@ -117,7 +119,7 @@ class DecodeService(RoomService):
 
     def on_expect(self, identity: bytes, msg: Expect) -> Message:
         kv, _ = self._kv(), self._aux()
-        endpoint = bootstrap_endpoint(msg.bootstrap)
+        endpoint = self._resolve(msg.bootstrap, msg.room)
         link = self.links.get(endpoint)
         if link is not None and link.draining:
             raise errors.Busy(f"an operator is draining prefill {endpoint}: no new rooms with it", room=msg.room, retry_after_ms=1000)
@@ -127,14 +129,15 @@ class DecodeService(RoomService):
             raise errors.BadMessage(str(exc), room=msg.room) from None
         check_pages(dst, kv.layout.num_pages, "destination", msg.room)
         self.check_local_version(msg.memory_version, msg.room)
-        room = self.rooms.create(msg.room, Role.DECODE, self.clock())
+        room = self.rooms.create(msg.room, Role.DECODE, self.clock(), peer=endpoint)
+        # What it can receive at most: its pages in every region and a full aux record.
+        room.bytes_planned = dst.size * sum(r.page_bytes for r in kv.regions) + self._aux().slot_bytes
         try:
             self.bind_slot(room, msg.slot, msg.generation)
         except PdxferError:
             self.rooms.remove(room.id)
             raise
         self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy())
-        room.peer = endpoint
         link = self._link(endpoint)
         link.rooms.add(room.id)
         self.send_link(
@@ -145,6 +148,15 @@ class DecodeService(RoomService):
             ),
         )
         return Ok(req=msg.req)
+
+    def _resolve(self, bootstrap: str, room: int) -> str:
+        """A prefill daemon's bootstrap endpoint from host:port, or from its name in the registry."""
+        if ":" in bootstrap or self.registry is None:
+            return bootstrap_endpoint(bootstrap)
+        try:
+            return bootstrap_endpoint(self.registry.resolve(bootstrap).bootstrap)
+        except PdxferError as exc:
+            raise PdxferError(exc.message, code=exc.code, room=room) from None
 
     def _link(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
@@ -253,7 +265,13 @@ class DecodeService(RoomService):
     def _peer_error(self, link: PrefillLink, msg: PeerError) -> None:
         log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message)
         if msg.code is ErrorCode.UNKNOWN_PEER:
+            if not link.ready:
+                # Our rooms here already failed; this may answer something sent before
+                # our new hello, or the hello itself was lost in a reconnect: say it again.
+                self.send_link(link.endpoint, self.hello())
+                return
             # It declared us dead (we stalled) or lost us: our rooms there are gone.
+            link.ready = False
             self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
             self.send_link(link.endpoint, self.hello())
             return
@@ -330,13 +348,14 @@ class DecodeService(RoomService):
         aux.slots.mark_written(msg.slot, msg.generation, self.clock())
         if room.state.value == "waiting_for_input":
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
+        room.bytes_moved = msg.kv_pages * sum(r.page_bytes for r in self._kv().regions) + HEADER_BYTES + msg.length
         self.succeed(room)
         self.send_link(endpoint, RoomAck(room=room.id))
 
     def _check_digest(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         if not self.config.verify_kv:
             return
-        if not msg.kv_pages:
+        if not msg.kv_digested:
             raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH)
         if msg.kv_pages > w.pages.size:
             raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
@@ -355,7 +374,13 @@ class DecodeService(RoomService):
         interval = self.config.heartbeat_interval
         limit = interval * self.config.heartbeat_misses
         slots = self.aux.slots.slots if self.aux is not None else []
+        stalled = self._stalled(now, limit)
         for link in list(self.links.values()):
+            if stalled:  # we were frozen, not they silent: start their clocks again
+                link.last_heard = max(link.last_heard, now)
+            if not link.rooms and now - link.last_heard > max(IDLE_LINK_SECONDS, 10 * limit):
+                self._forget_link(link)
+                continue
             link.unfenced = {(s, g) for s, g in link.unfenced if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
             if now - link.last_beat >= interval:
                 if link.beats and link.last_heard < link.last_beat:
@@ -363,20 +388,33 @@ class DecodeService(RoomService):
                 link.beats += 1
                 link.last_beat, link.beat_wall = now, time.time()
                 self.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall))
-            if link.rooms and now - link.last_heard > limit:
+            # Silence counts only once the prefill has answered at all; before that the
+            # bootstrap timeout covers a prefill that never shows up.
+            if link.incarnation and now - link.last_heard > limit and self._live_rooms(link):
                 self.declare_dead(link, f"prefill {link.endpoint} answered nothing for {now - link.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
+
+    def _live_rooms(self, link: PrefillLink) -> bool:
+        return any((room := self.rooms.find(r)) is not None and not room.finished for r in link.rooms)
+
+    def _forget_link(self, link: PrefillLink) -> None:
+        """An idle link to a prefill not heard from in a long while: close it, so
+        churn in prefill addresses cannot grow links and heartbeats without end."""
+        log.info("closing idle link to prefill %s", link.endpoint)
+        self.links.pop(link.endpoint, None)
+        self.close_link(link.endpoint)
 
     def on_connection(self, endpoint: str, event: str) -> None:
         """The link's TCP connection came or went (ZMQ reconnects by itself)."""
         link = self.links.get(endpoint)
-        if link is not None and event == "disconnected" and link.rooms:
+        if link is not None and event == "disconnected" and self._live_rooms(link):
             self.declare_dead(link, f"prefill {endpoint} closed its connection")
 
     def declare_dead(self, link: PrefillLink, reason: str) -> None:
         """Fail exactly the rooms on this link. The link stays: ZMQ reconnects, and a
         recovered or restarted prefill gets new rooms as usual."""
-        self.count_failure("peer_dead")
-        log.error("declared prefill %s dead, failing its %d rooms: %s", link.endpoint, len(link.rooms), reason)
+        self.count_failure("peers_declared_dead")
+        live = sum(1 for r in link.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
+        log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason)
         link.last_heard = self.clock()
         self._fail_link(link, ErrorCode.PEER_DEAD, reason)
 
@@ -442,6 +480,16 @@ class DecodeService(RoomService):
             )
             for link in self.links.values()
         ]
+
+    def peer_gone(self, record, reason: str) -> None:
+        link = self.links.get(bootstrap_endpoint(record.bootstrap)) if record.bootstrap else None
+        if link is None or (link.incarnation and link.incarnation != record.incarnation):
+            return  # not ours, or already talking to its successor
+        successor = self.registry.peers.get(record.name) if self.registry is not None else None
+        if successor is not None and successor.incarnation != record.incarnation:
+            self._restarted(link, successor.incarnation)  # the old process is gone: fence at once
+        elif link.rooms:
+            self.declare_dead(link, f"prefill {record.name}: {reason}")
 
     def drain(self, peer: str) -> None:
         matched = [link for link in self.links.values() if peer in link.endpoint]

@@ -56,6 +56,8 @@ class SharedMemory:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise BadMessage(f"shared memory {name!r} does not exist under {SHM_DIR}") from None
+        except OSError as exc:
+            raise BadMessage(f"cannot open shared memory {name!r}: {exc.strerror}") from None
         try:
             actual = os.fstat(fd).st_size
             if actual < size:

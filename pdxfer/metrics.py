@@ -78,6 +78,7 @@ class _Tables:
             errors.add_metric([reason], n)
         yield errors
         yield CounterMetricFamily("pdxfer_bytes_moved", "Bytes written by this daemon's transfers", value=pump.bytes_done)
+        yield CounterMetricFamily("pdxfer_bytes_received", "Bytes of rooms this (decode) daemon verified and delivered", value=service.bytes_received)
         yield CounterMetricFamily("pdxfer_blocks_submitted", "Blocks handed to the transfer engine", value=pump.blocks_submitted)
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)

@@ -66,6 +66,8 @@ from .stamp import HEADER_BYTES, stamp_for
 
 log = logging.getLogger("pdxfer.prefill")
 
+EARLY_BYTES = 64 * 1024 * 1024  # peer messages held for an engine that has not registered yet
+
 
 @dataclass(eq=False)
 class DecodePeer:
@@ -109,6 +111,7 @@ class PrefillService(RoomService):
         self.send_peer = lambda identity, message: None
         # Peer messages that arrived before the engine registered, replayed after.
         self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
+        self._early_bytes = 0
 
     # --- engine side
 
@@ -157,13 +160,13 @@ class PrefillService(RoomService):
         if len(raw) > self.config.max_message_bytes:
             self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit"))
             return
-        if self.kv is None or self.aux is None:
-            self._hold(identity, incarnation, raw)
-            return
         try:
             msg = self.codec.peer_messages.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
+            return
+        if self.kv is None or self.aux is None:
+            self._hold(identity, incarnation, raw)
             return
         try:
             if isinstance(msg, PeerHello):
@@ -196,13 +199,15 @@ class PrefillService(RoomService):
     def _hold(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         """Keep what decode daemons send before our engine registered (bounded by
         max_rooms); their rooms' bootstrap timeout covers an engine that never does."""
-        if len(self._early) >= self.config.max_rooms:
+        if len(self._early) >= self.config.max_rooms or self._early_bytes + len(raw) > EARLY_BYTES:
             self.send_peer(identity, PeerError(code=ErrorCode.BUSY, message="the prefill engine has not registered yet and the early-message queue is full"))
             return
         self._early.append((identity, incarnation, raw))
+        self._early_bytes += len(raw)
 
     def on_kv_registered(self) -> None:
         if self.kv is not None and self.aux is not None:
+            self._early_bytes = 0
             while self._early:
                 self.on_peer(*self._early.popleft())
 
@@ -259,7 +264,7 @@ class PrefillService(RoomService):
         if len(peer.rooms) >= self.config.max_rooms_per_peer:
             raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
         if room is None:
-            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            room = self.rooms.create(msg.room, Role.PREFILL, self.clock(), peer=peer.label)
             self.work[room.id] = PrefillWork()
         w = self.work[room.id]
         w.peer, w.request, w.dst_pages = peer.identity, msg, dst.copy()
@@ -335,7 +340,7 @@ class PrefillService(RoomService):
         return AuxRecord(
             room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
             payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
-            kv_pages=w.src_pages.size if w.digest is not None else 0, kv_digest=w.digest or 0,
+            kv_pages=w.src_pages.size, kv_digested=w.digest is not None, kv_digest=w.digest or 0,
         )
 
     def _aux_written(self, job: Job) -> None:
@@ -369,6 +374,7 @@ class PrefillService(RoomService):
             raise errors.BadMessage(f"room {room.id} belongs to another decode daemon", room=room.id, side=errors.Side.PEER)
         if room.state.value != "transferring":
             return  # failed meanwhile: the failure stands
+        room.bytes_moved = room.bytes_planned  # the decode side verified every byte of it, aux included
         self.succeed(room)
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
@@ -386,14 +392,18 @@ class PrefillService(RoomService):
         super().tick()
         limit = self.config.heartbeat_interval * self.config.heartbeat_misses
         now = self.clock()
+        if self._stalled(now, limit):  # we were frozen, not they silent: start their clocks again
+            for peer in self.peers.values():
+                peer.last_heard = max(peer.last_heard, now)
         for peer in [p for p in self.peers.values() if now - p.last_heard > limit]:
             self.declare_dead(peer, f"decode daemon {peer.hello.name or peer.label} sent nothing for {now - peer.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
 
     def declare_dead(self, peer: DecodePeer, reason: str) -> None:
         """Fail exactly this peer's rooms and forget it; a live peer says hello again."""
         self.peers.pop(peer.identity, None)
-        self.count_failure("peer_dead")
-        log.error("declared decode daemon %s dead, failing its %d rooms: %s", peer.hello.name or peer.label, len(peer.rooms), reason)
+        self.count_failure("peers_declared_dead")
+        live = sum(1 for r in peer.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
+        log.error("declared decode daemon %s dead, failing its %d live rooms: %s", peer.hello.name or peer.label, live, reason)
         for room_id in list(peer.rooms):
             room = self.rooms.find(room_id)
             if room is not None:
@@ -437,6 +447,11 @@ class PrefillService(RoomService):
             )
             for p in self.peers.values()
         ]
+
+    def peer_gone(self, record, reason: str) -> None:
+        name = f"{record.host}/{record.name}"
+        for peer in [p for p in self.peers.values() if p.hello.name == name and p.hello.incarnation == record.incarnation]:
+            self.declare_dead(peer, f"decode daemon {name}: {reason}")
 
     def drain(self, peer: str) -> None:
         matched = [p for p in self.peers.values() if peer in p.hello.session or peer in p.hello.name]

@@ -104,7 +104,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", omit_
 class ShmHandle(Message, tag="shm"):
     """A POSIX shared-memory object under /dev/shm (CPU pools)."""
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")]
     size: Positive
 
 
@@ -386,7 +386,8 @@ class AuxRecord(Message, tag="aux_record"):
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
-    kv_pages: Count = 0  # with a digest: how many pages were written per region
+    kv_pages: Count = 0  # how many pages were written in each region
+    kv_digested: bool = False  # kv_digest is set (the decode side asked for --verify-kv)
     kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # CRC-32 of those pages, region by region
 
 

@@ -129,12 +129,12 @@ class RoomTable:
     def __contains__(self, room_id: int) -> bool:
         return room_id in self._rooms
 
-    def create(self, room_id: int, role: Role, now: float) -> Room:
+    def create(self, room_id: int, role: Role, now: float, peer: str = "") -> Room:
         if room_id in self._rooms:
             raise DuplicateRoom(f"room {room_id} already exists", room=room_id)
         if len(self._rooms) >= self.capacity:
             raise Busy(f"room table full ({self.capacity} rooms)", room=room_id)
-        room = Room(room_id, role, B, created=now, entered=now, deadline=now + self.timeouts.bootstrap)
+        room = Room(room_id, role, B, created=now, entered=now, deadline=now + self.timeouts.bootstrap, peer=peer)
         room.history.append((B, now))
         self._rooms[room_id] = room
         self._schedule(room)

@@ -53,6 +53,16 @@ from .slots import SlotState
 log = logging.getLogger("pdxfer.service")
 
 
+def loose_req(raw: bytes) -> int:
+    """The request id of a message that failed validation, if it has a usable one,
+    so the engine can match the error to its request."""
+    try:
+        req = msgspec.msgpack.decode(raw).get("req", 0)
+    except (msgspec.DecodeError, AttributeError, ValueError, TypeError):  # garbage of any shape
+        return 0
+    return req if type(req) is int and 0 <= req < 2**63 else 0
+
+
 class RoomService:
     role: Role
 
@@ -86,7 +96,10 @@ class RoomService:
         self.engines: set[bytes] = set()  # engine connections that said hello
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeat_misses = 0
+        self.bytes_received = 0  # decode: KV and aux bytes of rooms that succeeded
+        self._last_tick = 0.0
         self.draining = False  # shutting down: no new rooms
+        self.registry = None  # registry.Registry with --registry
         self.pump = None  # pump.TransferPump, set by the daemon
 
     # --- engine conversation
@@ -98,7 +111,7 @@ class RoomService:
         try:
             msg = self.codec.engine_requests.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
+            return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
         try:
             if isinstance(msg, RegisterKV):
                 return await self._register_kv(msg)
@@ -117,6 +130,10 @@ class RoomService:
 
     def _dispatch(self, identity: bytes, msg: Message) -> Message:
         if isinstance(msg, Poll):
+            room = self.rooms.find(msg.room)
+            if room is None and msg.room in self.finished:  # released, or failed with no engine to tell
+                state, code, reason = self.finished[msg.room]
+                return RoomStatus(req=msg.req, room=msg.room, state=state, code=code, reason=reason, fenced=True)
             return self.status(self.rooms.get(msg.room), msg.req)
         if isinstance(msg, GetStats):
             return self.stats(msg.req)
@@ -291,6 +308,12 @@ class RoomService:
         """When a failed room's slot is released if its writer never confirms."""
         return now + self.config.fence_timeout
 
+    def _stalled(self, now: float, limit: float) -> bool:
+        """Whether this daemon itself stood still (SIGSTOP, swap) for over half the
+        heartbeat bound since the last tick: peers' silence is then ours."""
+        last, self._last_tick = self._last_tick, now
+        return bool(last) and now - last > limit / 2
+
     def count_failure(self, reason: str) -> None:
         self.failures[reason] += 1
 
@@ -314,6 +337,11 @@ class RoomService:
     def peer_states(self) -> dict[str, int]:
         states = collections.Counter(p.state for p in self.peer_infos(self.clock(), 0.0))
         return {state: states.get(state, 0) for state in ("alive", "draining", "connecting")}
+
+    def peer_gone(self, record, reason: str) -> None:
+        """The registry says a daemon of the other role is gone: its lease lapsed,
+        or it registered again under a new incarnation."""
+        raise NotImplementedError
 
     def drain(self, peer: str) -> None:
         """Operator action: no new rooms with peers whose address or name contains ``peer``."""
@@ -350,6 +378,7 @@ class RoomService:
     def succeed(self, room: Room) -> None:
         if self.rooms.apply(room, Event.DONE, self.clock()):
             self.outcomes["success"] += 1
+            self.bytes_received += room.bytes_moved if self.role is Role.DECODE else 0
             room.fenced = True
             self.push(room, self.engine_of(room))
 
@@ -388,7 +417,7 @@ class RoomService:
                 self.release_mapping(mapping)
         if self.aux is not None:
             for slot in self.aux.slots.expire_fences(now):
-                room = self.rooms.find(slot.room)
+                room = self.rooms.find(slot.room)  # the room it was quarantined for, not its new state
                 log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room)
                 if room is not None and room.generation == slot.generation:
                     self.fenced(room)

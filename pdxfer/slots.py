@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import Busy, StaleSlot
 
@@ -42,6 +43,14 @@ class Slot:
     room: int = 0
     since: float = 0.0
     fence_deadline: float = 0.0
+
+
+class Fenced(NamedTuple):
+    """A slot freed by its fence deadline, and the room it was quarantined for."""
+
+    index: int
+    generation: int
+    room: int
 
 
 class SlotAllocator:
@@ -134,10 +143,11 @@ class SlotAllocator:
         self._free_slot(slot, now)
         return True
 
-    def expire_fences(self, now: float) -> list[Slot]:
-        """Free quarantined slots whose fence deadline passed."""
-        done = [self.slots[i] for i in self._quarantined if self.slots[i].fence_deadline <= now]
-        for slot in done:
+    def expire_fences(self, now: float) -> list[Fenced]:
+        """Free quarantined slots whose fence deadline passed; say whose they were."""
+        due = sorted((self.slots[i] for i in self._quarantined if self.slots[i].fence_deadline <= now), key=lambda s: s.fence_deadline)
+        done = [Fenced(s.index, s.generation, s.room) for s in due]
+        for slot in due:
             self._free_slot(slot, now)
         return done
 

@@ -26,6 +26,20 @@ from .protocol import Envelope, ErrorCode
 log = logging.getLogger("pdxfer.wire")
 
 
+def _outcome(sent, to) -> bool:
+    """Whether a non-blocking send on an asyncio socket went out. Its error (the
+    identity is gone, the queue is full) is in the returned future, usually already
+    settled; one that settles later is read too, so it is not reported as lost."""
+    if not sent.done():
+        sent.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+        return True
+    exc = sent.exception()
+    if exc is not None:
+        log.debug("dropped a message to %r: %s", to, exc)
+        return False
+    return True
+
+
 def _tune(sock: zmq.Socket, max_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -97,12 +111,15 @@ class Router:
         self.hwm = hwm
         self.sock: zmq.asyncio.Socket | None = None
         self.bound = ""
+        self.connections = 0  # peers connected now, kept by track_connections()
+        self._monitor: zmq.asyncio.Socket | None = None
 
     def start(self) -> str:
         prepare_ipc(self.endpoint)
         sock = self.ctx.socket(zmq.ROUTER)
         _tune(sock, self.max_bytes, self.hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
             sock.bind(self.endpoint[: -len(":0")] + ":*")
         else:
@@ -116,19 +133,30 @@ class Router:
         frames = await self.sock.recv_multipart(copy=True)
         return frames[0], frames[1:]
 
+    async def track_connections(self) -> None:
+        """Keep ``connections`` current (ROUTER sockets do not say who left, only that someone did)."""
+        while self._monitor is not None:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            self.connections += 1 if event["event"] == zmq.EVENT_ACCEPTED else -1
+
     def send(self, identity: bytes, *frames: bytes) -> bool:
         """Queue a message; False if that identity is gone or its queue is full."""
-        try:
-            self.sock.send_multipart((identity, *frames), flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
-            return True
-        except zmq.ZMQError as exc:
-            log.debug("dropped a message to %r: %s", identity, exc)
-            return False
+        sent = self.sock.send_multipart((identity, *frames), flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
+        return _outcome(sent, identity)
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
+        if self.bound.startswith("ipc://"):
+            try:
+                os.unlink(self.bound[len("ipc://") :])
+            except FileNotFoundError:
+                pass
 
 
 class Dealer:
@@ -160,12 +188,8 @@ class Dealer:
         return "connected" if event["event"] == zmq.EVENT_CONNECTED else "disconnected"
 
     def send(self, *frames: bytes) -> bool:
-        try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
-            return True
-        except zmq.ZMQError as exc:
-            log.debug("dropped a message to %s: %s", self.endpoint, exc)
-            return False
+        sent = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
+        return _outcome(sent, self.endpoint)
 
     def close(self) -> None:
         if self.monitor is not None:

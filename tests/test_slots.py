@@ -270,7 +270,7 @@ def test_fence_deadline_frees_the_slot():
     alloc.bind(a.index, a.generation, 1, 0.0)
     alloc.quarantine(a.index, a.generation, 0.0, fence_deadline=5.0)
     assert alloc.expire_fences(4.9) == []
-    assert alloc.expire_fences(5.0) == [a]
+    assert alloc.expire_fences(5.0) == [(a.index, a.generation, 1)]  # whose slot it was
     assert a.state is FREE
     # A fence that arrives after the deadline already freed the slot changes nothing.
     assert alloc.fence(a.index, a.generation, 6.0) is False

@@ -14,6 +14,7 @@ the engine and re-registers everything; the pump calls it when a probe fails.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -40,6 +41,12 @@ def peer_queue_limit(protocol: str, env) -> int | None:
         return max(1, int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", DEFAULT_TCP_QUEUE)))
     except ValueError:
         return DEFAULT_TCP_QUEUE
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def load_engine_class():
@@ -69,9 +76,15 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._scratch = np.zeros(SCRATCH_BYTES, np.uint8)
 
+    def _session_name(self, engine) -> str:
+        # With a metadata store the name we gave is the segment's key; peer to peer, host:rpc port.
+        return self._local_name if self.metadata != "P2PHANDSHAKE" else f"{self.host}:{engine.get_rpc_port()}"
+
     def _new_engine(self):
         engine = load_engine_class()()
-        rc = engine.initialize(self.host, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
+        # A metadata store keys segments by the name given: make it unique with a free port.
+        self._local_name = self.host if self.metadata == "P2PHANDSHAKE" else f"{self.host}:{free_port(self.host)}"
+        rc = engine.initialize(self._local_name, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
         if rc != 0:
             raise Unsupported(
                 f"transfer engine failed to initialise protocol {self.protocol} on {self.host} (code {rc}); "
@@ -82,7 +95,7 @@ class MooncakeTransport:
     def start(self) -> str:
         with self._lock:
             self._engine = self._new_engine()
-            self.session = f"{self.host}:{self._engine.get_rpc_port()}"
+            self.session = self._session_name(self._engine)
         self.scratch = int(self._scratch.ctypes.data)
         self.register(self.scratch, SCRATCH_BYTES)
         return self.session
@@ -126,7 +139,7 @@ class MooncakeTransport:
                     raise Unsupported(f"re-registering {length} bytes at {address:#x} failed after an engine reset")
             self._retired.append(self._engine)
             self._engine = engine
-            self.session = f"{self.host}:{engine.get_rpc_port()}"
+            self.session = self._session_name(engine)
             self.resets += 1
         log.warning("transfer engine re-created (reset %d); new session %s", self.resets, self.session)
         return self.session

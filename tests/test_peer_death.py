@@ -1,0 +1,433 @@
+"""Peer death with real daemon processes (H2): a daemon killed with SIGKILL, hung
+with SIGSTOP, or replaced by a new incarnation fails exactly its own rooms, within
+the stated bound, on the daemons that outlive it; those keep serving, and rooms with
+healthy peers move every byte.
+
+The prefill daemons run with ``--inject-faults delay=1.0:MS``: the transfer engine
+still moves every byte at once, but each completion is reported up to MS late, so
+rooms stay Transferring long enough to kill a peer in the middle of them.
+
+Bounds are liveness bounds: the stated one (heartbeat interval x misses + a 0.05 s
+tick, see roomkit) plus a generous slack for this loaded 2-core machine. Timings
+are measured from the signal, in the test process, with CLOCK_MONOTONIC (shared by
+every process on the host).
+
+The last tests each pin a bug found while writing these (now fixed).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import zmq
+
+from pdxfer.client import Client
+from pdxfer.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    ErrorCode,
+    PeerError,
+    PeerHello,
+    PeerWelcome,
+    RoomAccepted,
+    RoomRequest,
+    RoomState,
+)
+from pdxfer.wire import Seal
+
+from .conftest import needs_mooncake
+from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, free_port, room_ids, start_room, statuses, wait_until
+
+pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(90)]
+
+DELAY_MS = 4000
+HOLD = ("--inject-faults", f"delay=1.0:{DELAY_MS},seed=3")
+T = RoomState.TRANSFERRING
+S = RoomState.SUCCESS
+F = RoomState.FAILED
+
+
+def pages(i: int, n: int = 2) -> list[int]:
+    """Distinct, contiguous pages for room number i."""
+    return list(range(2 + 4 * i, 2 + 4 * i + n))
+
+
+def kill(daemon, sig=signal.SIGKILL) -> float:
+    daemon.proc.send_signal(sig)
+    return time.monotonic()
+
+
+def start_room_decode_only(cd, bootstrap: str, room: int) -> None:
+    cd.expect(room, bootstrap, pages(0), cd.alloc_slot())
+
+
+class FakePrefill:
+    """The bootstrap endpoint of a prefill daemon, played by the test, so the order in
+    which its replies reach the decode daemon can be chosen exactly."""
+
+    def __init__(self, port: int, incarnation: str) -> None:
+        self.codec = Codec()
+        self.seal = Seal(incarnation)
+        self.incarnation = incarnation
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+
+    def recv(self, timeout: float = 10.0):
+        assert self.sock.poll(int(timeout * 1000)), "the decode daemon sent nothing"
+        identity, *frames = self.sock.recv_multipart()
+        _, payload = self.seal.open(frames)
+        return identity, self.codec.peer_messages.decode(payload)
+
+    def recv_kind(self, kind, timeout: float = 10.0):
+        """Skip heartbeats and other messages until one of type ``kind``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            identity, msg = self.recv(max(0.01, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return identity, msg
+
+    def send(self, identity: bytes, msg) -> None:
+        self.sock.send_multipart([identity, *self.seal.seal(self.codec.encode(msg))])
+
+    def welcome(self, identity: bytes) -> None:
+        self.send(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session="127.0.0.1:1"))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# --- (a) a decode daemon killed mid-transfer
+
+
+def test_decode_killed_mid_transfer_fails_exactly_its_rooms(daemons):
+    p = daemons("prefill", *HB_FLAGS, *HOLD, name="p")
+    d1 = daemons("decode", *HB_FLAGS, name="d1")
+    d2 = daemons("decode", *HB_FLAGS, name="d2")
+    cp, c1, c2 = engine(p), engine(d1), engine(d2)
+    try:
+        victims = [start_room(cp, c1, p.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(4)]
+        healthy = [start_room(cp, c2, p.bootstrap, 200 + i, pages(4 + i), pages(i), seed=10 + i) for i in range(4)]
+        everything = room_ids(victims + healthy)
+        wait_until(lambda: all_in(cp, everything, T), 10 + SLACK, "every room Transferring on the prefill")
+        before = cp.stats()
+        assert before.peers == 2, before
+
+        t_kill = kill(d1)
+        failed = wait_until(lambda: all_in(cp, room_ids(victims), F), HB_BOUND + SLACK, "the victim's rooms to fail on the prefill")
+        elapsed = time.monotonic() - t_kill
+        assert elapsed <= HB_BOUND + SLACK, elapsed
+        for status in failed.values():
+            assert status.code in ("peer_dead", "transfer_failed"), status
+            if status.code == "peer_dead":
+                assert "d1" in status.reason, status.reason
+        assert p.alive(), "the prefill daemon died with its peer"
+
+        # The healthy decode's rooms all succeed with every byte in place.
+        for case in healthy:
+            assert c2.wait(case.id).state is S
+            case.check_bytes()
+            assert cp.wait(case.id).state is S
+        # The victim's rooms stay failed (none revived by a late completion) and get fenced on the prefill.
+        for case in victims:
+            status = cp.wait(case.id, timeout=DELAY_MS / 1000 + 10)
+            assert status.state is F and status.fenced, status
+
+        after = cp.stats()
+        assert after.peers == 1, after
+        assert after.rooms["failed"] == before.rooms["failed"] + len(victims), after
+        assert after.rooms["success"] == before.rooms["success"] + len(healthy), after
+        assert sum(after.failures.get(code, 0) for code in ("peer_dead", "transfer_failed")) >= len(victims), after
+        assert after.slots["quarantined"] == 0, after  # every failed room got fenced
+
+        # New rooms to the healthy decode succeed afterwards.
+        for case in victims + healthy:
+            cp.release(case.id)
+        for case in healthy:
+            c2.release(case.id)
+        fresh = [start_room(cp, c2, p.bootstrap, 300 + i, pages(8 + i), pages(4 + i), seed=20 + i) for i in range(3)]
+        for case in fresh:
+            assert c2.wait(case.id).state is S
+            case.check_bytes()
+            assert cp.wait(case.id).state is S
+        assert p.alive() and d2.alive()
+    finally:
+        for client in (cp, c1, c2):
+            client.close()
+
+
+# --- (b) a prefill daemon killed mid-transfer
+
+
+def test_prefill_killed_mid_transfer_fails_exactly_the_rooms_on_its_link(daemons):
+    p1 = daemons("prefill", *HB_FLAGS, *HOLD, name="p1")
+    p2 = daemons("prefill", *HB_FLAGS, *HOLD, name="p2")
+    d = daemons("decode", *HB_FLAGS, name="d")
+    c1, c2, cd = engine(p1), engine(p2), engine(d)
+    try:
+        victims = [start_room(c1, cd, p1.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(4)]
+        healthy = [start_room(c2, cd, p2.bootstrap, 200 + i, pages(i), pages(4 + i), seed=10 + i) for i in range(4)]
+        wait_until(lambda: all_in(cd, room_ids(victims + healthy), T), 10 + SLACK, "every room Transferring on the decode")
+
+        t_kill = kill(p1)
+        failed = wait_until(lambda: all_in(cd, room_ids(victims), F), HB_BOUND + SLACK, "the rooms on the dead prefill's link to fail")
+        assert time.monotonic() - t_kill <= HB_BOUND + SLACK
+        for status in failed.values():
+            assert status.code == "peer_dead", status
+            assert p1.bootstrap in status.reason, status.reason
+        assert d.alive(), "the decode daemon died with its peer"
+
+        for case in healthy:
+            assert cd.wait(case.id).state is S
+            case.check_bytes()
+            assert c2.wait(case.id).state is S
+        # Still failed, not revived.
+        assert all(s.state is F for s in statuses(cd, room_ids(victims)).values())
+
+        stats = cd.stats()
+        assert stats.rooms["failed"] == len(victims) and stats.rooms["success"] == len(healthy), stats
+        assert stats.failures.get("peer_dead", 0) >= len(victims), stats
+
+        for case in healthy:
+            cd.release(case.id)
+            c2.release(case.id)
+        fresh = [start_room(c2, cd, p2.bootstrap, 300 + i, pages(4 + i), pages(8 + i), seed=20 + i) for i in range(3)]
+        for case in fresh:
+            assert cd.wait(case.id).state is S
+            case.check_bytes()
+        assert d.alive() and p2.alive()
+    finally:
+        for client in (c1, c2, cd):
+            client.close()
+
+
+# --- (c) a prefill daemon hung (SIGSTOP): no disconnect, only silence
+
+
+def test_hung_prefill_is_declared_dead_by_silence_and_serves_again_after_sigcont(daemons):
+    p = daemons("prefill", *HB_FLAGS, *HOLD, name="p")
+    # A lease far away: here only the prefill's own confirmation may fence the rooms.
+    d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "20", "--fence-timeout", "10", name="d")
+    cp, cd = engine(p), engine(d)
+    stopped = False
+    try:
+        t_start = time.monotonic()
+        cases = [start_room(cp, cd, p.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(3)]
+        wait_until(lambda: all_in(cd, room_ids(cases), T), 10 + SLACK, "every room Transferring on the decode")
+
+        t_stop = kill(p, signal.SIGSTOP)
+        stopped = True
+        failed = wait_until(lambda: all_in(cd, room_ids(cases), F), HB_BOUND + SLACK, "the hung prefill's rooms to fail")
+        assert time.monotonic() - t_stop <= HB_BOUND + SLACK
+        for status in failed.values():
+            assert status.code == "peer_dead", status
+            assert "heartbeats missed" in status.reason, status.reason
+            assert not status.fenced, f"a hung writer may still write, yet room {status.room} was fenced: {status}"
+        time.sleep(HB_BOUND)  # hung for longer still: nothing changes while it cannot confirm
+        for status in statuses(cd, room_ids(cases)).values():
+            assert status.state is F and not status.fenced, status
+        stats = cd.stats()
+        assert stats.slots["quarantined"] == len(cases), stats
+        assert d.alive()
+        assert time.monotonic() < t_start + 20, "the lease may have run out; the unfenced window proves nothing"
+
+        kill(p, signal.SIGCONT)
+        stopped = False
+        # It resumes, fails the rooms too, and confirms that nothing of theirs is in flight.
+        for case in cases:
+            status = cd.wait(case.id, timeout=DELAY_MS / 1000 + SLACK)
+            assert status.state is F and status.fenced, status
+            assert cp.wait(case.id, timeout=DELAY_MS / 1000 + SLACK).state is F
+        assert cd.stats().slots["quarantined"] == 0
+        for case in cases:
+            cd.release(case.id)
+            cp.release(case.id)
+        # New rooms with it succeed. Messages the hang held back (heartbeats answered
+        # with unknown_peer after the prefill declared this decode dead in turn) are
+        # drained first, so a new room is not caught by one of them.
+        wait_until(lambda: cp.stats().peers == 1, HB_BOUND + SLACK, "the decode to be known to the prefill again")
+        time.sleep(2 * HB_BOUND)
+        fresh = [start_room(cp, cd, p.bootstrap, 200 + i, pages(4 + i), pages(4 + i), seed=10 + i) for i in range(3)]
+        for case in fresh:
+            assert cd.wait(case.id, timeout=DELAY_MS / 1000 + 20).state is S
+            case.check_bytes()
+            assert cp.wait(case.id).state is S
+        assert p.alive() and d.alive()
+    finally:
+        if stopped:
+            p.proc.send_signal(signal.SIGCONT)
+        for client in (cp, cd):
+            client.close()
+
+
+LEASE_T, LEASE_F = 3.0, 1.0
+
+
+def test_lease_expiry_fences_the_rooms_of_a_hung_prefill(daemons):
+    p = daemons("prefill", *HB_FLAGS, *HOLD, name="p")
+    d = daemons("decode", *HB_FLAGS, "--transfer-timeout", str(LEASE_T), "--fence-timeout", str(LEASE_F), name="d")
+    cp, cd = engine(p), engine(d)
+    try:
+        t_start = time.monotonic()  # before any room began: no lease ends before t_start + T + F
+        cases = [start_room(cp, cd, p.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(2)]
+        wait_until(lambda: all_in(cd, room_ids(cases), T), 10 + SLACK, "every room Transferring on the decode")
+        kill(p, signal.SIGSTOP)
+        failed = wait_until(lambda: all_in(cd, room_ids(cases), F), HB_BOUND + SLACK, "the hung prefill's rooms to fail")
+        assert all(s.code in ("peer_dead", "timeout") and not s.fenced for s in failed.values()), failed
+        lease_end = t_start + LEASE_T + LEASE_F
+        # The slots come back once the lease ran out (this part works) ...
+        wait_until(lambda: cd.stats().slots["quarantined"] == 0, LEASE_T + LEASE_F + SLACK, "the lease to free the slots")
+        assert time.monotonic() >= lease_end
+        # ... and the engine must learn that it may reuse the pages too.
+        for case in cases:
+            status = cd.wait(case.id, timeout=SLACK)
+            assert status.state is F and status.fenced, status
+    finally:
+        p.proc.send_signal(signal.SIGCONT)
+        for client in (cp, cd):
+            client.close()
+
+
+# --- (d) a prefill daemon restarted: a new incarnation at the same address
+
+
+def test_prefill_restarted_with_new_incarnation_fences_its_old_rooms_at_once(daemons):
+    port = free_port()
+    lease = ("--transfer-timeout", "20", "--fence-timeout", "10")
+    p1 = daemons("prefill", *HB_FLAGS, *HOLD, "--bootstrap-port", str(port), name="p1")
+    d = daemons("decode", *HB_FLAGS, *lease, name="d")
+    c1, cd = engine(p1), engine(d)
+    c1b = None
+    try:
+        t_start = time.monotonic()
+        cases = [start_room(c1, cd, p1.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(3)]
+        wait_until(lambda: all_in(cd, room_ids(cases), T), 10 + SLACK, "every room Transferring on the decode")
+        old_incarnation = c1.welcome.incarnation
+
+        kill(p1)
+        p1.proc.wait()
+        c1.close()
+        failed = wait_until(lambda: all_in(cd, room_ids(cases), F), HB_BOUND + SLACK, "the dead prefill's rooms to fail")
+        assert all(s.code == "peer_dead" for s in failed.values()), failed
+
+        p1b = daemons("prefill", *HB_FLAGS, "--bootstrap-port", str(port), name="p1")
+        assert p1b.bootstrap == p1.bootstrap
+        c1b = engine(p1b)
+        assert c1b.welcome.incarnation != old_incarnation
+        t_new = time.monotonic()
+        # The decode learns of the new incarnation and fences the old rooms at once.
+        for case in cases:
+            status = cd.wait(case.id, timeout=HB_BOUND + SLACK)
+            assert status.state is F and status.fenced, status
+        fenced_at = time.monotonic()
+        assert fenced_at - t_new <= HB_BOUND + SLACK
+        assert fenced_at < t_start + 20 + 10, "fenced by the lease, not by the restart"
+        assert cd.stats().slots["quarantined"] == 0
+
+        for case in cases:
+            cd.release(case.id)
+        # Let the replies to what the decode sent before its new hello drain first: each
+        # is an unknown_peer error that fails every room then on the link (see
+        # test_a_stale_unknown_peer_reply_does_not_fail_a_room_made_after_the_new_hello).
+        wait_until(lambda: c1b.stats().peers == 1, HB_BOUND + SLACK, "the decode to say hello to the new prefill")
+        time.sleep(2 * HB_BOUND)
+        fresh = [start_room(c1b, cd, p1b.bootstrap, 200 + i, pages(4 + i), pages(4 + i), seed=10 + i) for i in range(3)]
+        for case in fresh:
+            assert cd.wait(case.id).state is S
+            case.check_bytes()
+            assert c1b.wait(case.id).state is S
+        assert d.alive() and p1b.alive()
+    finally:
+        for client in (c1, cd, c1b):
+            if client is not None:
+                client.close()
+
+
+# --- bugs met on the way, each pinned by a test
+
+
+def test_a_dead_prefill_is_declared_dead_once(daemons):
+    """A prefill that answered, then went silent (frozen): declared dead once, not
+    again every heartbeat bound while its failed rooms wait for release."""
+    p = daemons("prefill", *HB_FLAGS, name="p")
+    d = daemons("decode", *HB_FLAGS, name="d")
+    cp, cd = engine(p), engine(d)
+    try:
+        start_room_decode_only(cd, p.bootstrap, 100)
+        wait_until(lambda: cd.poll(100).state is RoomState.WAITING_FOR_INPUT, SLACK, "the room to be accepted")
+        p.proc.send_signal(signal.SIGSTOP)
+        try:
+            failed = wait_until(lambda: all_in(cd, [100], F), HB_BOUND + SLACK, "the room to fail by heartbeat silence")
+            assert failed[100].code == "peer_dead", failed
+            before = cd.stats().failures.get("peers_declared_dead", 0)
+            assert before == 1
+            time.sleep(4 * HB_BOUND)
+            after = cd.stats().failures.get("peers_declared_dead", 0)
+            assert after == before, f"declared dead {after - before} more times with no new failure"
+        finally:
+            p.proc.send_signal(signal.SIGCONT)
+    finally:
+        cp.close()
+        cd.close()
+
+
+def test_a_push_to_a_departed_engine_is_dropped_quietly(daemons):
+    d = daemons("decode", *HB_FLAGS, "--bootstrap-timeout", "1", name="d")
+    cd = engine(d)
+    start_room_decode_only(cd, f"127.0.0.1:{free_port()}", 100)
+    cd.close()  # the engine goes away; the room's failure is pushed to nobody
+    probe = Client(d.engine, timeout=20.0)
+    probe.connect()
+    try:
+        wait_until(lambda: probe.stats().rooms["failed"] == 1, HB_BOUND + SLACK, "the room to fail")
+        assert d.alive()
+    finally:
+        probe.close()
+    assert d.stop() == 0  # asyncio reports a lost Future's exception when it is collected, at the latest on exit
+    log = open(d.log_path).read()
+    assert "Future exception was never retrieved" not in log, log[log.find("Future exception") :][:600]
+
+
+def test_a_stale_unknown_peer_reply_does_not_fail_a_room_made_after_the_new_hello(daemons):
+    port = free_port()
+    # Heartbeat silence never decides here; the fake answers none.
+    d = daemons("decode", "--heartbeat-interval", "0.1", "--heartbeat-misses", "200", name="d")
+    cd = engine(d)
+    old = FakePrefill(port, "old0000000000000")
+    new = None
+    try:
+        cd.expect(100, f"127.0.0.1:{port}", pages(0), cd.alloc_slot())
+        identity, _ = old.recv_kind(PeerHello)
+        old.welcome(identity)
+        old.recv_kind(RoomRequest)
+        old.close()  # the prefill dies ...
+        wait_until(lambda: all_in(cd, [100], F), SLACK, "room 100 to fail when the connection drops")
+        time.sleep(0.3)  # ... and while it is away the decode queues heartbeats for it
+        new = FakePrefill(port, "new0000000000000")  # a new incarnation at the same address
+        first_id, first = new.recv()
+        second_id, second = new.recv()
+        assert not isinstance(first, PeerHello) and not isinstance(second, PeerHello), (first, second)
+        unknown = PeerError(code=ErrorCode.UNKNOWN_PEER, message="this prefill daemon does not know you: say peer_hello")
+        new.send(first_id, unknown)  # the answer to the first message before any hello
+        status = cd.wait(100, timeout=SLACK)  # the decode learnt of the restart: room 100 fenced at once
+        assert status.fenced, status
+        # The engine makes a new room at once; the decode says hello first, then asks for it.
+        cd.expect(200, f"127.0.0.1:{port}", pages(1), cd.alloc_slot())
+        # The prefill answers, in order, what it received: the second pre-hello message
+        # (unknown peer), then the hello, then the new room's request.
+        new.send(second_id, unknown)
+        identity, _ = new.recv_kind(PeerHello)
+        new.welcome(identity)
+        _, request = new.recv_kind(RoomRequest)
+        assert request.room == 200
+        new.send(identity, RoomAccepted(room=200, input_ready=False))
+        time.sleep(0.5)
+        status = statuses(cd, [200])[200]
+        assert status.state is not F, f"room 200, made after the new hello and accepted by the new prefill, failed: {status}"
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        cd.close()
