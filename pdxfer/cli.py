@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
+
+    # Operator commands: rooms, room, peers, peer, slots, top (pdxfer/inspection.py, top.py) and doctor
+    # (pdxfer/doctor.py); their flags live in pdxfer/inspection_args.py, the commands load when run.
+    from .inspection_args import add_commands as add_operator_commands
+
+    add_operator_commands(sub)
     return parser
 
 

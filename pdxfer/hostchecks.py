@@ -1,0 +1,298 @@
+"""What ``pdxfer doctor`` checks on the host itself: the transfer engine and the
+protocols it can serve here, RDMA devices, libraries, /dev/shm, the runtime
+directory, ports, and GPUs or NPUs. Each check returns a Check (OK, WARN, FAIL or
+SKIP, what was found, how to fix it); the facts they judge are gathered by small
+functions, so the judgement can be tested with facts of another host."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
+ENGINE_PROBE = """
+import json
+import mooncake.engine as m
+engine = m.TransferEngine()
+rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+flags = {k: bool(getattr(m, k)) for k in dir(m) if k.startswith("SUPPORT_")}
+print(json.dumps({"rc": rc, "port": engine.get_rpc_port() if rc == 0 else 0, "flags": flags}))
+"""
+ENGINE_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # OK, WARN, FAIL, SKIP
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Settings:
+    role: str | None
+    protocol: str
+    device: str
+    host: str
+    bootstrap_port: int
+    http_port: int
+    runtime_dir: str
+    name: str
+    rdma_devices: str
+    pool_bytes: int
+
+
+def _size(n: float) -> str:
+    from .tables import size
+
+    return size(n)
+
+
+# --- the transfer engine and what it can serve here
+
+
+def engine_version() -> str:
+    from importlib import metadata
+
+    for dist in ENGINE_WHEELS:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "mooncake (version unknown)"
+
+
+def check_engine(timeout: float = 30.0) -> tuple[Check, dict]:
+    """Import the engine and initialise one over tcp on 127.0.0.1, in a child process
+    (a broken build can crash or hang; this process must still report)."""
+    env = {**os.environ, "GLOG_minloglevel": "2"}
+    try:
+        out = subprocess.run([sys.executable, "-c", ENGINE_PROBE], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return Check("transfer engine", "FAIL", f"initialising a TransferEngine over tcp on 127.0.0.1 did not finish within {timeout:g}s",
+                     "run the probe by hand to see where it hangs: python -c 'import mooncake.engine'"), {}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        error = next((line for line in reversed(out.stderr.splitlines()) if "Error" in line), out.stderr.strip()[-300:] or f"exit code {out.returncode}")
+        return Check("transfer engine", "FAIL", f"cannot import or start mooncake.engine: {error}", _engine_fix(error)), {}
+    probe = json.loads(lines[-1])
+    if probe["rc"] != 0:
+        errors = [line for line in out.stderr.splitlines() if line.startswith("E")][-2:]
+        return Check("transfer engine", "FAIL", f"{engine_version()} imports, but initialize(tcp on 127.0.0.1) returned {probe['rc']}: {' / '.join(errors) or 'no error line'}",
+                     "check that 127.0.0.1 is up and that the engine may open TCP ports (it listens on a free port)"), probe
+    return Check("transfer engine", "OK", f"{engine_version()} imports; a TransferEngine initialised tcp on 127.0.0.1 (RPC port {probe['port']})"), probe
+
+
+def _engine_fix(error: str) -> str:
+    if "libibverbs" in error or "libnuma" in error:
+        return "apt-get install libibverbs1 libnuma1: the transfer engine links against both, even for tcp"
+    if "cuda" in error.lower():
+        return "this is the CUDA build on a host without CUDA: pip install mooncake-transfer-engine-non-cuda instead (make deps picks the right one)"
+    return "pip install mooncake-transfer-engine-non-cuda (CPU hosts) or mooncake-transfer-engine (CUDA hosts); make deps picks the right one"
+
+
+def rdma_devices() -> dict[str, list[str]]:
+    """Device -> port states ('1: ACTIVE', ...) from /sys/class/infiniband."""
+    found = {}
+    for path in sorted(glob.glob("/sys/class/infiniband/*")):
+        states = []
+        for port in sorted(glob.glob(os.path.join(path, "ports", "*"))):
+            try:
+                with open(os.path.join(port, "state")) as fh:
+                    states.append(f"port {os.path.basename(port)} {fh.read().strip().split(':')[-1].strip()}")
+            except OSError:
+                states.append(f"port {os.path.basename(port)} unknown")
+        found[os.path.basename(path)] = states
+    return found
+
+
+def check_rdma(s: Settings, devices: dict[str, list[str]]) -> Check:
+    needed = s.protocol == "rdma"
+    if not devices:
+        if needed:
+            return Check("rdma devices", "FAIL", "none under /sys/class/infiniband, and --protocol is rdma",
+                         "install the NIC's RDMA driver and rdma-core (ibv_devices lists what the kernel sees), or use --protocol tcp")
+        return Check("rdma devices", "OK", f"none under /sys/class/infiniband (not needed for --protocol {s.protocol})")
+    text = "; ".join(f"{name} ({', '.join(states) or 'no ports'})" for name, states in devices.items())
+    if needed:
+        wanted = [d.strip() for d in s.rdma_devices.split(",") if d.strip()]
+        missing = [d for d in wanted if d not in devices]
+        if missing:
+            return Check("rdma devices", "FAIL", f"--rdma-devices names {', '.join(missing)}, not on this host; present: {text}",
+                         f"set --rdma-devices to some of: {', '.join(devices)}")
+        active = [n for n, states in devices.items() if any(st.endswith("ACTIVE") for st in states) and (not wanted or n in wanted)]
+        if not active:
+            return Check("rdma devices", "FAIL", f"no port is ACTIVE: {text}", "check the cable and the switch port; ibstat shows link state")
+    return Check("rdma devices", "OK", text)
+
+
+def check_protocols(s: Settings, probe: dict, devices: dict, gpu: dict, npu: dict) -> Check:
+    flags = probe.get("flags", {})
+    if not probe or probe.get("rc") != 0:
+        return Check("protocols", "FAIL", "none: the transfer engine did not start (see above)", "fix the transfer engine first")
+    cuda_missing = [why for ok, why in (
+        (flags.get("SUPPORT_CUDA"), "this engine build has no CUDA support"),
+        (gpu["cudart"], "no libcudart"),
+        (gpu["count"] > 0, "no GPU visible"),
+    ) if not ok]
+    ascend_missing = [why for ok, why in ((npu["acl"], "no libascendcl (CANN)"), (npu["devices"], "no /dev/davinciN")) if not ok]
+    reasons = {
+        "tcp": [],
+        "rdma": [] if devices else ["no RDMA devices under /sys/class/infiniband"],
+        "nvlink": cuda_missing,
+        "intranode_nvlink": cuda_missing + ([] if flags.get("SUPPORT_INTRA_NVLINK") else ["engine built without intra-node NVLink"]),
+        "ascend": ascend_missing,
+        "hixl": ascend_missing,
+    }
+    usable = [p for p, why in reasons.items() if not why]
+    unusable = "; ".join(f"{p} ({', '.join(why)})" for p, why in reasons.items() if why)
+    detail = f"usable here: {', '.join(usable)}" + (f"; not here: {unusable}" if unusable else "")
+    if s.protocol not in usable:
+        return Check("protocols", "FAIL", f"--protocol {s.protocol} cannot run here. {detail}",
+                     f"provide what {s.protocol} lacks ({', '.join(reasons[s.protocol])}), or use one of: {', '.join(usable)}")
+    return Check("protocols", "OK", f"{detail} (asked for {s.protocol})")
+
+
+# --- host resources
+
+
+def check_libraries() -> Check:
+    libs = {"libibverbs1": ctypes.util.find_library("ibverbs"), "libnuma1": ctypes.util.find_library("numa")}
+    missing = [pkg for pkg, path in libs.items() if not path]
+    if missing:
+        return Check("system libraries", "FAIL", f"missing: {', '.join(missing)}",
+                     f"apt-get install {' '.join(missing)} (the transfer engine links against libibverbs and libnuma, even for tcp)")
+    return Check("system libraries", "OK", ", ".join(f"{path}" for path in libs.values()))
+
+
+def check_shm(need: int, path: str = "/dev/shm") -> Check:
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return Check("shared memory", "FAIL", f"{path}: {exc.strerror}", "CPU pools live in /dev/shm: mount a tmpfs there")
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    pools = [os.path.join(path, n) for n in os.listdir(path) if n.startswith("pdxfer-")]
+    used = sum(os.path.getsize(p) for p in pools if os.path.isfile(p))
+    detail = f"{path}: {_size(free)} free of {_size(total)}; {len(pools)} pdxfer pool(s) use {_size(used)}; engines need about {_size(need)} (--pool-bytes)"
+    if free < need:
+        return Check("shared memory", "FAIL", detail,
+                     "give /dev/shm more room: docker run --shm-size=SIZE; in Kubernetes an emptyDir with medium: Memory "
+                     "and a sizeLimit mounted at /dev/shm (deploy/k8s/base/worker.yaml does this)")
+    return Check("shared memory", "OK", detail)
+
+
+def check_runtime_dir(s: Settings) -> Check:
+    path = s.runtime_dir
+    names = [s.name] if s.name else [s.role] if s.role else ["prefill", "decode"]
+    longest = max((os.path.join(path, f"{n}.engine.sock") for n in names), key=len)
+    if len(longest.encode()) > SOCKET_PATH_MAX:
+        return Check("runtime dir", "FAIL", f"socket path {longest} is {len(longest.encode())} bytes; ipc socket paths hold {SOCKET_PATH_MAX}",
+                     "choose a shorter --runtime-dir (or --name)")
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.access(parent, os.W_OK | os.X_OK):
+            return Check("runtime dir", "OK", f"{path} does not exist yet; the daemon creates it owner-only (0700)")
+        return Check("runtime dir", "FAIL", f"{path} does not exist and {parent} is not writable by uid {os.getuid()}",
+                     "create it for the daemon's user (install -d -m 700 DIR) or choose --runtime-dir")
+    st = os.stat(path)
+    mode = st.st_mode & 0o777
+    if st.st_uid != os.getuid():
+        return Check("runtime dir", "FAIL", f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})",
+                     "run the daemon as that user, chown the directory, or choose --runtime-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return Check("runtime dir", "FAIL", f"{path} (mode {mode:04o}) is not writable", f"chmod 700 {path}")
+    if mode & 0o077:
+        return Check("runtime dir", "WARN", f"{path} has mode {mode:04o}: other users can reach the sockets in it until a daemon starts (it sets 0700)",
+                     f"chmod 700 {path}")
+    return Check("runtime dir", "OK", f"{path}, owner-only ({mode:04o}), socket paths fit ({len(longest.encode())} of {SOCKET_PATH_MAX} bytes)")
+
+
+def check_port(what: str, flag: str, host: str, port: int, live: dict[int, str]) -> Check:
+    if port == 0:
+        note = "the daemon binds any free port and prints it in its ready line" if flag == "--bootstrap-port" else "off: no /metrics, /healthz or /readyz (set it for Prometheus and Kubernetes probes)"
+        return Check(what, "OK", f"{flag} 0: {note}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemon's listeners do
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                if port in live:
+                    return Check(what, "OK", f"{host}:{port} is in use by the running {live[port]}")
+                return Check(what, "FAIL", f"{host}:{port} is in use by another process",
+                             f"stop it, or choose another {flag} (ss -ltnp 'sport = :{port}' names the process)")
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return Check(what, "FAIL", f"--host {host} is not an address of this machine", "use an address of one of this host's interfaces (ip -brief address)")
+            if exc.errno == errno.EACCES:
+                return Check(what, "FAIL", f"port {port} needs privileges to bind", f"choose {flag} above 1023, or grant CAP_NET_BIND_SERVICE")
+            return Check(what, "FAIL", f"cannot bind {host}:{port}: {exc.strerror}", f"choose another {flag} or --host")
+    return Check(what, "OK", f"{host}:{port} is free")
+
+
+# --- accelerators
+
+
+def gpu_facts() -> dict:
+    facts = {"cudart": ctypes.util.find_library("cudart"), "count": 0, "error": "", "smi": shutil.which("nvidia-smi") or "",
+             "nodes": sorted(glob.glob("/dev/nvidia[0-9]*"))}
+    if facts["cudart"]:
+        try:
+            lib = ctypes.CDLL(facts["cudart"])
+            count = ctypes.c_int(0)
+            rc = lib.cudaGetDeviceCount(ctypes.byref(count))
+            if rc == 0:
+                facts["count"] = count.value
+            else:
+                lib.cudaGetErrorString.restype = ctypes.c_char_p
+                facts["error"] = f"cudaGetDeviceCount: error {rc}, {lib.cudaGetErrorString(rc).decode()}"
+        except (OSError, AttributeError) as exc:
+            facts["error"] = f"cannot load {facts['cudart']}: {exc}"
+    return facts
+
+
+def npu_facts() -> dict:
+    return {"acl": ctypes.util.find_library("ascendcl"), "devices": sorted(glob.glob("/dev/davinci[0-9]*")), "smi": shutil.which("npu-smi") or ""}
+
+
+def check_gpu(s: Settings, gpu: dict, probe: dict) -> Check:
+    seen = (f"{gpu['count']} GPU(s) visible" if gpu["count"] else "no GPU visible") + (
+        f" (libcudart: {gpu['cudart']}" + (f"; {gpu['error']}" if gpu["error"] else "") + ")" if gpu["cudart"] else " (no libcudart)"
+    ) + ("" if gpu["smi"] else "; no nvidia-smi") + (f"; device nodes: {', '.join(gpu['nodes'])}" if gpu["nodes"] else "")
+    if not s.device.startswith("cuda:"):
+        return Check("gpu", "OK", f"{seen}; not needed for --device {s.device}")
+    index = int(s.device.split(":")[1])
+    if not gpu["cudart"]:
+        return Check("gpu", "FAIL", f"--device {s.device} but {seen}", "install the CUDA runtime (libcudart) that matches the driver")
+    if gpu["count"] <= index:
+        fix = ("install or update the NVIDIA driver (the runtime needs a newer one)" if "insufficient" in gpu["error"]
+               else "make the GPU visible: check CUDA_VISIBLE_DEVICES and the container's GPU resources (nvidia.com/gpu)")
+        return Check("gpu", "FAIL", f"--device {s.device} but {seen}", fix)
+    if probe and not probe.get("flags", {}).get("SUPPORT_CUDA"):
+        return Check("gpu", "FAIL", f"{seen}, but this transfer engine build has no CUDA support, so it cannot move GPU pools",
+                     "pip install mooncake-transfer-engine (the CUDA build) instead of mooncake-transfer-engine-non-cuda")
+    return Check("gpu", "OK", f"{seen}; --device {s.device}")
+
+
+def check_npu(s: Settings, npu: dict) -> Check:
+    seen = (f"{len(npu['devices'])} NPU device node(s)" if npu["devices"] else "no /dev/davinciN") + (
+        f"; libascendcl: {npu['acl']}" if npu["acl"] else "; no libascendcl (CANN)") + ("" if npu["smi"] else "; no npu-smi")
+    if not s.device.startswith("npu:"):
+        return Check("npu", "OK", f"{seen}; not needed for --device {s.device}")
+    index = s.device.split(":")[1]
+    if not npu["acl"]:
+        return Check("npu", "FAIL", f"--device {s.device} but {seen}", "install Ascend CANN and source its set_env.sh so libascendcl is found")
+    if f"/dev/davinci{index}" not in npu["devices"]:
+        return Check("npu", "FAIL", f"--device {s.device} but {seen}", f"make /dev/davinci{index} visible (container device mounts, ASCEND_VISIBLE_DEVICES)")
+    return Check("npu", "OK", f"{seen}; --device {s.device}")

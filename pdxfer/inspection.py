@@ -1,0 +1,405 @@
+"""Operator commands that read a running daemon through its admin API.
+
+    pdxfer rooms [--state S] [--peer P] [--older-than T]   rooms, oldest first
+    pdxfer room ID [--fail]                                one room and its history; fail it
+    pdxfer peers / pdxfer peer P [--drain]                 the peer table; drain a peer
+    pdxfer slots                                           the aux slot table
+    pdxfer top                                             a live view (pdxfer/top.py)
+
+Each prints an aligned table, or with --json the reply's data. A daemon is chosen
+by --daemon ENDPOINT, by --name NAME in --runtime-dir, or as the only admin socket
+in the runtime directory. Requests are signed like bootstrap messages when a
+cluster secret is given (--secret-file or PDXFER_CLUSTER_SECRET_FILE), which a
+daemon started with --cluster-secret-file requires.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import secrets
+import socket
+import sys
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from . import tables
+from .config import default_runtime_dir
+from .errors import BadMessage
+from .protocol import (
+    AdminInfo,
+    AdminPeers,
+    AdminRoom,
+    AdminRooms,
+    AdminSlots,
+    Codec,
+    Error,
+    InfoReply,
+    Message,
+    PeerInfo,
+    RoomInfo,
+    RoomState,
+    SlotInfo,
+)
+from .wire import Seal, Unauthenticated
+
+EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...
+EXIT_UNREACHABLE = 3  # no daemon could be chosen, or none answered
+SECRET_ENV = "PDXFER_CLUSTER_SECRET_FILE"
+RUNTIME_DIR_ENV = "PDXFER_RUNTIME_DIR"
+
+
+class CommandError(Exception):
+    """What to tell the operator, and the exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_UNREACHABLE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+class AdminClient:
+    """A synchronous admin connection to one daemon: one request, one reply."""
+
+    def __init__(self, endpoint: str, secret: bytes = b"", timeout: float = 5.0) -> None:
+        self.endpoint = endpoint
+        self.secret = secret
+        self.timeout = timeout
+        self.codec = Codec()
+        self.seal = Seal(f"cli-{secrets.token_hex(6)}", secret)
+        self._req = itertools.count(1)
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+
+    def connect(self) -> "AdminClient":
+        if self.endpoint.startswith("ipc://"):
+            check_ipc(self.endpoint[len("ipc://") :])
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        return self
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+
+    def __enter__(self) -> "AdminClient":
+        return self.connect()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def call(self, kind: type[Message], **fields: Any) -> Message:
+        """Send one admin request; return its reply, or raise CommandError."""
+        req = next(self._req)
+        self._sock.send_multipart(self.seal.seal(self.codec.encode(kind(req=req, **fields))))
+        while True:
+            if not self._sock.poll(int(self.timeout * 1000)):
+                raise CommandError(
+                    f"no answer from {self.endpoint} within {self.timeout:g}s: is a pdxfer daemon serving its admin API there? "
+                    "(--timeout waits longer)"
+                )
+            reply = self._open(self._sock.recv_multipart())
+            if reply.req in (req, 0):  # anything else answers an earlier, timed-out request
+                break
+        if isinstance(reply, Error):
+            hint = ""
+            if reply.code.value == "unauthenticated":
+                hint = f" (the daemon runs with --cluster-secret-file: pass the same file with --secret-file or {SECRET_ENV})"
+            raise CommandError(f"{self.endpoint} refused [{reply.code.value}]: {reply.message}{hint}", EXIT_REFUSED)
+        return reply
+
+    def _open(self, frames: list[bytes]) -> Message:
+        try:
+            _, payload = self.seal.open(frames)
+            return self.codec.admin_replies.decode(payload)
+        except Unauthenticated:
+            raise CommandError(f"the reply from {self.endpoint} is not signed with the secret in the given secret file: another cluster's daemon?", EXIT_REFUSED) from None
+        except (BadMessage, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CommandError(f"{self.endpoint} answered something that is not a pdxfer admin reply: {exc}", EXIT_REFUSED) from None
+
+
+def check_ipc(path: str) -> None:
+    """Fail fast, saying why, when an ipc socket is missing or nobody listens on it
+    (a daemon that exited leaves its socket file behind), instead of waiting out the timeout."""
+    if not os.path.exists(path):
+        raise CommandError(f"no daemon socket at {path}: is the daemon running, with this --runtime-dir and --name?")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise CommandError(f"nothing listens on {path}: the daemon that created it has exited (it is removed when a daemon starts under that name)") from None
+    except OSError:
+        pass  # permissions and the like: let the request say what happens
+    finally:
+        probe.close()
+
+
+# --- choosing a daemon
+
+
+def runtime_dir(given: str | None) -> str:
+    return given or os.environ.get(RUNTIME_DIR_ENV) or default_runtime_dir(os.environ)
+
+
+def admin_sockets(directory: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(directory), "*.admin.sock")))
+
+
+def daemon_name(path: str) -> str:
+    return os.path.basename(path)[: -len(".admin.sock")]
+
+
+def choose_endpoint(daemon: str | None, name: str | None, directory: str) -> str:
+    """--daemon ENDPOINT, else --name NAME in the runtime dir, else its only admin socket."""
+    if daemon:
+        if daemon.startswith(("ipc://", "tcp://")):
+            return daemon
+        host, sep, port = daemon.rpartition(":")
+        if sep and host and port.isdigit():
+            return f"tcp://{daemon}"
+        raise CommandError(f"--daemon {daemon!r} is not an endpoint: use ipc:///path/NAME.admin.sock or tcp://host:port", 2)
+    if name:
+        return f"ipc://{os.path.join(directory, name)}.admin.sock"
+    found = admin_sockets(directory)
+    if len(found) == 1:
+        return f"ipc://{found[0]}"
+    if not found:
+        raise CommandError(
+            f"no daemon admin socket in {directory}: start a daemon (pdxfer serve), or point at one with "
+            "--daemon ENDPOINT, or --name NAME with --runtime-dir DIR"
+        )
+    names = ", ".join(daemon_name(p) for p in found)
+    raise CommandError(f"{len(found)} daemons in {directory} ({names}): choose one with --name NAME or --daemon ENDPOINT", 2)
+
+
+def read_secret(path: str | None) -> bytes:
+    path = path or os.environ.get(SECRET_ENV, "")
+    if not path:
+        return b""
+    from .daemon import read_secret as daemon_read_secret  # the daemon's rules, so both sides read it alike
+    from .errors import PdxferError
+
+    try:
+        return daemon_read_secret(path)
+    except PdxferError as exc:
+        raise CommandError(exc.message, 2) from None
+
+
+def connect(args) -> AdminClient:
+    endpoint = choose_endpoint(args.daemon, args.name, runtime_dir(args.runtime_dir))
+    return AdminClient(endpoint, read_secret(args.secret_file), args.timeout).connect()
+
+
+def run(args, body: Callable[[Any, AdminClient], int]) -> int:
+    """Connect, run ``body``, and turn a CommandError into a message and an exit code."""
+    try:
+        admin = connect(args)
+        try:
+            return body(args, admin)
+        finally:
+            admin.close()
+    except CommandError as exc:
+        print(f"pdxfer {args.command}: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def plain(struct: msgspec.Struct) -> dict:
+    """Every field of a reply struct as JSON-ready builtins, defaults included."""
+    return {name: msgspec.to_builtins(getattr(struct, name)) for name in struct.__struct_fields__}
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# --- rooms and one room
+
+
+ROOM_COLUMNS = ("ROOM", "ROLE", "STATE", "AGE", "IN STATE", "PEER", "SLOT/GEN", "PLANNED", "MOVED", "ERROR")
+
+
+def slot_gen(room: RoomInfo) -> str:
+    return f"{room.slot}/{room.generation}" if room.slot >= 0 else "-"
+
+
+def room_error(room: RoomInfo) -> str:
+    return f"[{room.code.value}] {room.reason}" if room.code else "-"
+
+
+def rooms_table(rooms: list[RoomInfo], width: int = 72, indent: str = "") -> str:
+    rows = [
+        (r.room, r.role.value, r.state.value, tables.duration(r.age), tables.duration(r.in_state), r.peer or "-", slot_gen(r),
+         tables.size(r.bytes_planned), tables.size(r.bytes_moved), tables.shorten(room_error(r), width))
+        for r in rooms
+    ]
+    return tables.table(ROOM_COLUMNS, rows, right=("ROOM", "AGE", "IN STATE", "PLANNED", "MOVED"), indent=indent)
+
+
+def rooms_summary(rooms: list[RoomInfo]) -> str:
+    counts = {s.value: 0 for s in RoomState}
+    for r in rooms:
+        counts[r.state.value] += 1
+    return f"{len(rooms)} rooms: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+
+
+def cmd_rooms(args) -> int:
+    def body(args, admin: AdminClient) -> int:
+        state = RoomState(args.state) if args.state else None
+        reply = admin.call(AdminRooms, state=state, peer=args.peer or "", older_than=args.older_than)
+        if args.json:
+            emit_json({"rooms": [plain(r) for r in reply.rooms]})
+        elif reply.rooms:
+            print(rooms_table(reply.rooms))
+            print(rooms_summary(reply.rooms))
+        else:
+            print("no rooms" + (" match" if state or args.peer or args.older_than else ""))
+        return 0
+
+    return run(args, body)
+
+
+def room_detail(room: RoomInfo, wall: float) -> str:
+    """One room in full; ``wall`` is the daemon's wall clock when it answered."""
+    created = wall - room.age
+    lines = [
+        f"room {room.room} ({room.role.value}): {room.state.value} for {tables.duration(room.in_state)}, "
+        f"created {tables.duration(room.age)} ago ({tables.clock(created)})",
+        f"  peer      {room.peer or '-'}",
+        f"  slot      {room.slot if room.slot >= 0 else '-'}  generation {room.generation or '-'}",
+        f"  bytes     planned {tables.size(room.bytes_planned)} ({room.bytes_planned}), moved {tables.size(room.bytes_moved)} ({room.bytes_moved})",
+        f"  fenced    {'yes' if room.fenced else 'no'}",
+        f"  error     {room_error(room)}",
+        "",
+        "history (time after creation; wall clock of the daemon):",
+    ]
+    rows = []
+    for i, (state, at) in enumerate(room.history):
+        until = room.history[i + 1][1] if i + 1 < len(room.history) else room.age
+        rows.append((state.value, f"+{at:.3f}s", tables.clock(created + at), tables.duration(until - at) + ("" if i + 1 < len(room.history) else " (now)")))
+    lines.append(tables.table(("STATE", "AT", "WALL CLOCK", "FOR"), rows, right=("AT", "FOR"), indent="  "))
+    return "\n".join(lines)
+
+
+def cmd_room(args) -> int:
+    def body(args, admin: AdminClient) -> int:
+        fields = {"room": args.room}
+        if args.fail:
+            fields.update(fail=True, reason=args.reason)
+        reply = admin.call(AdminRoom, **fields)
+        room = reply.rooms[0]
+        if args.json:
+            emit_json(plain(room))
+            return 0
+        info = admin.call(AdminInfo)
+        if args.fail:
+            print(f"room {room.room} failed by operator request on the {info.role.value} daemon {info.name!r}")
+        print(room_detail(room, info.wall))
+        return 0
+
+    return run(args, body)
+
+
+# --- peers
+
+
+PEER_COLUMNS = ("ADDRESS", "NAME", "INCARNATION", "STATE", "LAST HEARD", "RTT", "SKEW", "ROOMS")
+
+
+def peers_table(peers: list[PeerInfo], indent: str = "") -> str:
+    rows = [
+        (p.address, p.name or "-", p.incarnation or "-", p.state, tables.ago(p.last_heard), tables.millis(p.rtt_ms, unknown=-1.0),
+         tables.millis(p.clock_skew_ms), p.rooms)
+        for p in peers
+    ]
+    return tables.table(PEER_COLUMNS, rows, right=("LAST HEARD", "RTT", "SKEW", "ROOMS"), indent=indent)
+
+
+def show_peers(args, peers: list[PeerInfo], info: InfoReply | None) -> None:
+    if args.json:
+        emit_json({"peers": [plain(p) for p in peers]})
+        return
+    if info is not None:
+        side = "prefill links (bootstrap endpoints)" if info.role.value == "decode" else "decode daemons (transfer sessions)"
+        print(f"{info.role.value} daemon {info.name!r}: {len(peers)} peer(s), {side}")
+    print(peers_table(peers) if peers else "no peers")
+
+
+def cmd_peers(args) -> int:
+    def body(args, admin: AdminClient) -> int:
+        reply = admin.call(AdminPeers)
+        show_peers(args, reply.peers, None if args.json else admin.call(AdminInfo))
+        return 0
+
+    return run(args, body)
+
+
+def cmd_peer(args) -> int:
+    def body(args, admin: AdminClient) -> int:
+        reply = admin.call(AdminPeers, drain=args.peer if args.drain else "")
+        matched = [p for p in reply.peers if args.peer in p.address or args.peer in p.name]
+        if not matched:
+            raise CommandError(f"no peer matches {args.peer!r} (known: {', '.join(p.address for p in reply.peers) or 'none'})", EXIT_REFUSED)
+        if args.drain and not args.json:
+            print(f"draining {len(matched)} peer(s): no new rooms with them; their {sum(p.rooms for p in matched)} room(s) finish")
+        show_peers(args, matched, None)
+        return 0
+
+    return run(args, body)
+
+
+# --- slots
+
+
+SLOT_COLUMNS = ("SLOT", "STATE", "ROOM", "GEN", "SINCE", "FENCE IN")
+HELD = ("granted", "armed", "written")
+
+
+def slots_summary(slots: list[SlotInfo]) -> str:
+    count = {state: sum(1 for s in slots if s.state == state) for state in ("free", *HELD, "quarantined")}
+    held = sum(count[s] for s in HELD)
+    detail = ", ".join(f"{s} {count[s]}" for s in HELD)
+    return f"{len(slots)} slots: {count['free']} free, {held} held ({detail}), {count['quarantined']} quarantined"
+
+
+def slots_table(slots: list[SlotInfo]) -> str:
+    rows = [
+        (s.index, s.state, s.room or "-", s.generation or "-", tables.duration(s.since),
+         tables.duration(s.fence_in) if s.state == "quarantined" else "-")
+        for s in slots
+    ]
+    return tables.table(SLOT_COLUMNS, rows, right=("SLOT", "ROOM", "GEN", "SINCE", "FENCE IN"))
+
+
+def cmd_slots(args) -> int:
+    def body(args, admin: AdminClient) -> int:
+        slots = admin.call(AdminSlots).slots
+        shown = [s for s in slots if s.state == args.state] if args.state else slots
+        if args.json:
+            emit_json({"slots": [plain(s) for s in shown]})
+            return 0
+        if not slots:
+            print("no aux buffer registered yet: no slots")
+            return 0
+        listed = shown if args.state or args.all else [s for s in slots if s.state != "free"]
+        if listed:
+            print(slots_table(listed))
+        print(slots_summary(slots) + ("" if args.state or args.all else " (free slots not listed; --all lists them)"))
+        return 0
+
+    return run(args, body)
+
+
+def cmd_top(args) -> int:
+    from .top import run_top
+
+    return run(args, run_top)
