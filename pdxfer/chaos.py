@@ -69,11 +69,14 @@ async def _slot(client: AsyncClient) -> Slot:
             await asyncio.sleep(exc.retry_after_ms / 1000)
 
 
-async def _settle(client: AsyncClient, room: int) -> tuple[str, RoomState | None]:
+def _outcome(status) -> str:
+    return "success" if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
+
+
+async def _settle(client: AsyncClient, room: int) -> str:
     status = await client.wait(room, timeout=120)
     await client.release(room)
-    key = "success" if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
-    return key, status.state
+    return _outcome(status)
 
 
 async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spec: ChaosSpec) -> ChaosReport:
@@ -94,6 +97,20 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
         async def stall() -> None:
             await asyncio.sleep(rng.random() * spec.stall_ms / 1000)
 
+        async def begin(client: AsyncClient, start, slot: Slot, counts: Counter, room: int, abort: bool, side: str) -> bool:
+            """Start the room on one side (send or expect); maybe abort it later. False if refused."""
+            await stall()
+            try:
+                await start()
+            except errors.PdxferError as exc:
+                await _free(client, slot)
+                counts[f"refused:{exc.code.value}"] += 1
+                return False
+            if abort:
+                await stall()
+                await client.abort(room, f"chaos: {side} engine gave up")
+            return True
+
         async def prefill_side(room: int, tokens: int, abort: bool) -> None:
             n = pages_for_tokens(tokens, spec.layout.page_size)
             pages = await src_pages.take(n)
@@ -101,18 +118,9 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
                 fill_pages(src_arrays, room, pages)
                 slot = await _slot(pre)
                 pre.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(room, tokens), np.uint8)
-                await stall()
-                try:
-                    await pre.send(room, pages, tokens, slot, aux_bytes=AUX_RECORD_BYTES)
-                except errors.PdxferError as exc:
-                    await _free(pre, slot)
-                    report.prefill[f"refused:{exc.code.value}"] += 1
-                    return
-                if abort:
-                    await stall()
-                    await pre.abort(room, "chaos: prefill engine gave up")
-                key, _ = await _settle(pre, room)
-                report.prefill[key] += 1
+                send = lambda: pre.send(room, pages, tokens, slot, aux_bytes=AUX_RECORD_BYTES)  # noqa: E731
+                if await begin(pre, send, slot, report.prefill, room, abort, "prefill"):
+                    report.prefill[await _settle(pre, room)] += 1
             finally:
                 await src_pages.give(pages)
 
@@ -121,18 +129,9 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
             pages = await dst_pages.take(n_src)
             try:
                 slot = await _slot(dec)
-                await stall()
-                try:
-                    await dec.expect(room, bootstrap, pages, slot)
-                except errors.PdxferError as exc:
-                    await _free(dec, slot)
-                    report.decode[f"refused:{exc.code.value}"] += 1
-                    return
-                if abort:
-                    await stall()
-                    await dec.abort(room, "chaos: decode engine gave up")
-                key, state = await _settle_and_check(room, tokens, slot, pages)
-                report.decode[key] += 1
+                expect = lambda: dec.expect(room, bootstrap, pages, slot)  # noqa: E731
+                if await begin(dec, expect, slot, report.decode, room, abort, "decode"):
+                    report.decode[await _settle_and_check(room, tokens, slot, pages)] += 1
             finally:
                 await dst_pages.give(pages)  # wait() returned: Success or fenced, so no write can land
 
@@ -149,7 +148,7 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
                     else:
                         report.verified += 1
             await dec.release(room)
-            return ("success" if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"), status.state
+            return _outcome(status)
 
         async def one(i: int) -> None:
             room = rng.getrandbits(63) | 1 << 63

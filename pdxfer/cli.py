@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import sys
-import time
 
 import msgspec
 

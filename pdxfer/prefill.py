@@ -277,7 +277,7 @@ class PrefillService(RoomService):
 
     def _start(self, room: Room, w: PrefillWork) -> None:
         """Both halves are in: check everything, plan, and hand the blocks to the pump."""
-        kv, aux = self._kv(), self._aux()
+        kv = self._kv()
         peer = self.peers.get(w.peer)
         req = w.request
         try:

@@ -13,17 +13,10 @@ from pdxfer import errors
 from pdxfer.client import Client
 from pdxfer.protocol import RoomState
 
-from .conftest import needs_mooncake, small_layout
+from .conftest import needs_mooncake
+from .roomkit import engine
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
-
-
-def connect(daemon) -> Client:
-    client = Client(daemon.engine, timeout=20)
-    client.connect()
-    client.create_kv_pool(small_layout())
-    client.create_aux_buffer(16, 64)
-    return client
 
 
 def start_rooms(prefill: Client, decode: Client, bootstrap: str, rooms: range) -> None:
@@ -41,7 +34,7 @@ def test_sigterm_drains_rooms_in_flight_then_exits(daemons, hold_s, drain_s, exp
     )
     # A writer that leaves mid-write is released by its lease: transfer timeout + fence timeout.
     decode = daemons("decode", "--transfer-timeout", "3", "--fence-timeout", "1")
-    p, d = connect(prefill), connect(decode)
+    p, d = engine(prefill), engine(decode)
     try:
         start_rooms(p, d, prefill.bootstrap, range(1, 9))
         time.sleep(0.2)

@@ -17,7 +17,7 @@ import pytest
 from pdxfer import errors
 from pdxfer.chaos import ChaosSpec, run_chaos, settled_stats
 from pdxfer.client import Client
-from pdxfer.protocol import KVLayout, Layout, RoomState
+from pdxfer.protocol import KVLayout, Layout
 
 from .conftest import needs_mooncake, small_layout
 

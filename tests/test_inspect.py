@@ -43,44 +43,19 @@ from pdxfer import inspection as inspect_mod
 from pdxfer import tables
 from pdxfer.client import Client
 from pdxfer.launch import DaemonProcess, start_daemon
-from pdxfer.protocol import KVLayout, RoomState
+from pdxfer.protocol import RoomState
 from pdxfer.stamp import HEADER_BYTES
 
 from .conftest import needs_mooncake, small_layout
+from .roomkit import engine, free_port, wait_until
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: 4 tokens x 64 bytes per region, 8 regions (4 layers, K and V)
 AUX_BYTES = 16
-HEADER_BYTES = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pdxfer(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdxfer", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def engine(daemon: DaemonProcess, layout: KVLayout | None = None) -> Client:
-    client = Client(daemon.engine, timeout=20.0)
-    client.connect()
-    client.create_kv_pool(layout or small_layout())
-    client.create_aux_buffer(16, 64)
-    return client
 
 
 def send(client: Client, room: int, pages: list[int], tokens: int):
@@ -134,7 +109,7 @@ def scene(tmp_path_factory):
         return daemon
 
     def client(daemon, layout=None) -> Client:
-        clients.append(engine(daemon, layout))
+        clients.append(engine(daemon, layout, slots=16))
         return clients[-1]
 
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ from pdxfer.errors import UnknownRoom
 from pdxfer.protocol import RoomState
 
 from .conftest import needs_mooncake, small_layout
+from .roomkit import engine, free_port, wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: a page is 4 tokens x 64 bytes in each of 8 regions
 REGIONS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str) -> tuple[int, str, str]:
@@ -62,25 +56,6 @@ def value(metrics: dict, name: str, **labels: str) -> float:
 
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def engine(daemon) -> Client:
-    client = Client(daemon.engine, timeout=20.0)
-    client.connect()
-    client.create_kv_pool(small_layout())
-    client.create_aux_buffer(16, 64)
-    return client
 
 
 def state_or_none(client: Client, room: int):
@@ -139,7 +114,7 @@ def test_counters_move_by_exactly_what_the_test_did(daemons):
     pport, dport = free_port(), free_port()
     prefill = daemons("prefill", "--http-port", str(pport))
     decode = daemons("decode", "--http-port", str(dport))
-    p, d = engine(prefill), engine(decode)
+    p, d = engine(prefill, slots=16), engine(decode, slots=16)
     try:
         boot = prefill.bootstrap
         before = {"p": scrape(pport), "d": scrape(dport)}
@@ -208,7 +183,7 @@ def test_a_dead_prefill_counts_its_failed_rooms_once(daemons):
     port = free_port()
     prefill = daemons("prefill")
     decode = daemons("decode", "--http-port", str(port), "--heartbeat-interval", "0.2", "--heartbeat-misses", "3")
-    p, d = engine(prefill), engine(decode)
+    p, d = engine(prefill, slots=16), engine(decode, slots=16)
     try:
         d.expect(1, prefill.bootstrap, np.array([1]), d.alloc_slot())
         wait_until(lambda: d.poll(1).state is RoomState.WAITING_FOR_INPUT, 10, "room 1 accepted")
@@ -229,7 +204,7 @@ GLOG = re.compile(r"^([IWEF]\d{4} |WARNING: Logging before InitGoogleLogging)")
 def test_logs_one_line_per_transition_and_json_lines(daemons):
     prefill = daemons("prefill", "--log-level", "debug")
     decode = daemons("decode", "--log-level", "debug", "--log-format", "json")
-    p, d = engine(prefill), engine(decode)
+    p, d = engine(prefill, slots=16), engine(decode, slots=16)
     try:
         run_room(p, d, prefill.bootstrap, 5, [1, 2], [3, 4])
         history = {}

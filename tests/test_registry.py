@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
@@ -18,7 +17,8 @@ from pdxfer.client import Client
 from pdxfer.protocol import RoomState
 from pdxfer.registry import EtcdClient
 
-from .conftest import needs_mooncake, small_layout
+from .conftest import needs_mooncake
+from .roomkit import engine, free_port, wait_until
 
 ETCD = shutil.which("etcd")
 pytestmark = [
@@ -30,12 +30,6 @@ pytestmark = [
 TTL = "2"
 # Heartbeats slow enough that only the registry can notice a death within the test.
 SLOW_HEARTBEATS = ["--heartbeat-interval", "1", "--heartbeat-misses", "60"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -69,24 +63,6 @@ def records(client: EtcdClient, role: str) -> dict:
     return {key.decode().rsplit("/", 1)[1]: json.loads(value) for key, value in kvs}
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def connect(daemon) -> Client:
-    client = Client(daemon.engine, timeout=20)
-    client.connect()
-    client.create_kv_pool(small_layout())
-    client.create_aux_buffer(16, 64)
-    return client
-
-
 def ship(prefill: Client, decode: Client, room: int, bootstrap: str, src=(1, 2), dst=(3, 4)):
     """One room by the usual path; returns the decode side's status."""
     decode.expect(room, bootstrap, np.array(dst), decode.alloc_slot())
@@ -106,7 +82,7 @@ def test_daemons_register_and_decode_finds_prefill_by_name(etcd, daemons):
     assert pre["incarnation"] == prefill.ready["incarnation"] and pre["bootstrap"] == prefill.bootstrap
     assert pre["session"] == prefill.ready["session"] and pre["role"] == "prefill"
     assert records(client, "decode")["decode-a"]["incarnation"] == decode.ready["incarnation"]
-    p, d = connect(prefill), connect(decode)
+    p, d = engine(prefill), engine(decode)
     try:
         assert ship(p, d, 1, "prefill-a").state is RoomState.SUCCESS  # a name, not an address
         with pytest.raises(Exception, match="no daemon named 'nobody'.*prefill-a"):
@@ -123,14 +99,14 @@ def test_lease_expiry_of_a_killed_decode_fails_its_rooms_on_the_prefill(etcd, da
     url, client = etcd
     prefill = daemons("prefill", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="prefill-b")
     decode = daemons("decode", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="decode-b")
-    p, d = connect(prefill), connect(decode)
+    p, d = engine(prefill), engine(decode)
     try:
         d.expect(10, "prefill-b", np.array([1]), d.alloc_slot())  # waits for the prefill engine, which holds back
-        wait_for(lambda: p.stats().rooms["waiting_for_input"] == 1, 10, "the room on the prefill")
+        wait_until(lambda: p.stats().rooms["waiting_for_input"] == 1, 10, "the room on the prefill")
         killed = time.monotonic()
         decode.proc.send_signal(signal.SIGKILL)
         decode.proc.wait()
-        status = wait_for(lambda: (s := p.poll(10)).state is RoomState.FAILED and s, 15, "the prefill to fail the room")
+        status = wait_until(lambda: (s := p.poll(10)).state is RoomState.FAILED and s, 15, "the prefill to fail the room")
         took = time.monotonic() - killed
         assert status.code.value == "peer_dead" and "registry lease lapsed" in status.reason, status
         assert took < 60, "it was the lease, not the (one minute) heartbeat bound"
@@ -145,13 +121,13 @@ def test_lease_expiry_of_a_frozen_prefill_fails_its_rooms_on_the_decode(etcd, da
     url, client = etcd
     prefill = daemons("prefill", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="prefill-c")
     decode = daemons("decode", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="decode-c")
-    p, d = connect(prefill), connect(decode)
+    p, d = engine(prefill), engine(decode)
     try:
         d.expect(20, "prefill-c", np.array([1]), d.alloc_slot())
-        wait_for(lambda: d.poll(20).state is RoomState.WAITING_FOR_INPUT, 10, "the prefill to accept the room")
+        wait_until(lambda: d.poll(20).state is RoomState.WAITING_FOR_INPUT, 10, "the prefill to accept the room")
         prefill.proc.send_signal(signal.SIGSTOP)
         try:
-            status = wait_for(lambda: (s := d.poll(20)).state is RoomState.FAILED and s, 20, "the decode to fail the room")
+            status = wait_until(lambda: (s := d.poll(20)).state is RoomState.FAILED and s, 20, "the decode to fail the room")
             assert status.code.value == "peer_dead" and "registry lease lapsed" in status.reason, status
             assert not status.fenced  # a frozen writer may wake up: the room waits for its lease
         finally:
@@ -165,18 +141,18 @@ def test_restart_registers_a_new_incarnation_and_rooms_follow_it(etcd, daemons):
     url, client = etcd
     first = daemons("prefill", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="prefill-d")
     decode = daemons("decode", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="decode-d")
-    p, d = connect(first), connect(decode)
+    p, d = engine(first), engine(decode)
     try:
         d.expect(30, "prefill-d", np.array([1]), d.alloc_slot())
-        wait_for(lambda: d.poll(30).state is RoomState.WAITING_FOR_INPUT, 10, "the room to be accepted")
+        wait_until(lambda: d.poll(30).state is RoomState.WAITING_FOR_INPUT, 10, "the room to be accepted")
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
         p.close()
         second = daemons("prefill", "--registry", url, "--registry-ttl", TTL, *SLOW_HEARTBEATS, name="prefill-d")
         assert records(client, "prefill")["prefill-d"]["incarnation"] == second.ready["incarnation"] != first.ready["incarnation"]
-        status = wait_for(lambda: (s := d.poll(30)).state is RoomState.FAILED and s.fenced and s, 15, "the old room to fail, fenced")
+        status = wait_until(lambda: (s := d.poll(30)).state is RoomState.FAILED and s.fenced and s, 15, "the old room to fail, fenced")
         assert status.code.value == "peer_dead"
-        p = connect(second)
+        p = engine(second)
         assert ship(p, d, 31, "prefill-d").state is RoomState.SUCCESS  # resolved to the new address
     finally:
         p.close()
@@ -188,7 +164,7 @@ def test_transfer_engine_metadata_in_the_same_etcd(etcd, daemons):
     flags = ["--registry", url, "--transfer-metadata", url]
     prefill = daemons("prefill", *flags, name="prefill-e")
     decode = daemons("decode", *flags, name="decode-e")
-    p, d = connect(prefill), connect(decode)
+    p, d = engine(prefill), engine(decode)
     try:
         for room in range(40, 45):
             assert ship(p, d, room, "prefill-e", src=(room % 7, 8), dst=(room % 5 + 10, 20)).state is RoomState.SUCCESS
