@@ -20,14 +20,22 @@ import tempfile
 import time
 
 from .bench_plan import Plan, Workload, block_counts, make_plan, time_planning
+from .bench_raw import APIS as RAW_APIS
 from .bench_report import FIGURES, format_report, targets
 from .bench_run import RUNNERS, RunOptions, RunResult
 from .demo import ProgressBar
-from .launch import LaunchError
 
 WIRE_WORKLOADS = ("large", "medium", "small")
-# The baseline API per workload for --baseline-api auto: what measured fastest here (see README).
-AUTO_API = {"large": "submit", "medium": "submit", "small": "submit", "sweep": "submit"}
+# --baseline-api auto: what measured fastest on the 2-core box (pdxfer bench --baseline-api all):
+# transfer_submit_write per block with sleeping status polls, 17-30% over the batch calls
+# at 60-70% of their CPU; for one small room at a time, polling without sleeping
+# (submit_spin: 0.19 ms p50 against 0.30), which costs large rooms a third of their rate.
+SPIN_MAX_ROOM_BYTES = 2**20
+
+
+def auto_api(workload: Workload) -> str:
+    small = workload.max_pages * workload.page_index_bytes <= SPIN_MAX_ROOM_BYTES
+    return "submit_spin" if workload.in_flight == 1 and small else "submit"
 
 
 class LabelledStream:
@@ -55,7 +63,7 @@ def box_cpu() -> tuple[float, float]:
     went to processes outside the benchmark."""
     with open("/proc/stat") as fh:
         fields = [int(x) for x in fh.readline().split()[1:]]
-    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system . . irq softirq steal
+    busy = sum(fields[:3]) + fields[7]  # user nice system steal; not irq/softirq, which no process is charged for
     t = os.times()
     return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system
 
@@ -73,9 +81,11 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
                 min_pages=int(args.small_pages[0]), max_pages=int(args.small_pages[1]))
     out = []
     if "large" in args.workloads:
-        out.append(Workload("large", args.large_rooms, args.large_in_flight, **big, **dict(zip(("min_pages", "max_pages"), _pages(args.large_mib, index_bytes)))))
+        low, high = _pages(args.large_mib, index_bytes)
+        out.append(Workload("large", args.large_rooms, args.large_in_flight, **big, min_pages=low, max_pages=high))
     if "medium" in args.workloads:
-        out.append(Workload("medium", args.medium_rooms, args.medium_in_flight, **big, **dict(zip(("min_pages", "max_pages"), _pages(args.medium_mib, index_bytes)))))
+        low, high = _pages(args.medium_mib, index_bytes)
+        out.append(Workload("medium", args.medium_rooms, args.medium_in_flight, **big, min_pages=low, max_pages=high))
     if "small" in args.workloads:
         out.append(Workload("small", args.small_rooms, args.small_in_flight, **tiny))
     if "sweep" in args.workloads:
@@ -96,8 +106,29 @@ def systems_for(workload: Workload, systems: list[str]) -> list[str]:
     return [s for s in systems if s != "wire" or workload.name in WIRE_WORKLOADS]
 
 
-def api_for(workload: Workload, choice: str) -> str:
-    return AUTO_API[workload.name.partition("-")[0]] if choice == "auto" else choice
+def apis_for(workload: Workload, choice: str) -> list[str]:
+    """The baseline APIs to run: one, or with 'all' every one (the fastest is the baseline)."""
+    if choice == "all":
+        return list(RAW_APIS)
+    return [auto_api(workload) if choice == "auto" else choice]
+
+
+def schedule_runs(args: argparse.Namespace, workloads: list[Workload]) -> list[tuple[int, Workload, str, str]]:
+    """(repeat, workload, system, baseline API or ''), repeats outermost so that a
+    change in the box's load falls on every system alike."""
+    out = []
+    for rep in range(args.repeat):
+        for w in workloads:
+            for system in systems_for(w, args.systems):
+                for api in apis_for(w, args.baseline_api) if system == "baseline" else [""]:
+                    out.append((rep, w, system, api))
+    return out
+
+
+def pick_baseline(runs: dict[str, list[RunResult]]) -> str:
+    """The baseline API with the highest median GB/s (for one plan, rooms/s alike)."""
+    apis = [k for k in runs if k.startswith("baseline:")]
+    return max(apis, key=lambda k: _median([r.figures()["gbps"] for r in runs[k] if not r.error]) or 0.0)
 
 
 def _median(values: list) -> float | None:
@@ -128,78 +159,21 @@ def run_bench(args: argparse.Namespace) -> int:
     os.makedirs(workdir, exist_ok=True)
     plans: dict[str, tuple[Plan, str]] = {}
     for w in workloads:
-        plan = make_plan(w, args.seed)
-        path = os.path.join(workdir, f"plan-{w.name}.npz")
+        plan, path = make_plan(w, args.seed), os.path.join(workdir, f"plan-{w.name}.npz")
         plan.save(path)
         plans[w.name] = (plan, path)
-    schedule = [(rep, w, s) for rep in range(args.repeat) for w in workloads for s in systems_for(w, args.systems)]
-    stream = LabelledStream(sys.stderr)
-    bar = ProgressBar(sum(len(plans[w.name][0].rooms) for _, w, _ in schedule), stream=stream)
-    runs: dict[str, dict[str, list[RunResult]]] = {w.name: {} for w in workloads}
     box_before, wall_before = box_cpu(), time.monotonic()
-    rooms_before = bytes_before = mismatches_before = 0
-    for rep, w, system in schedule:
-        plan, path = plans[w.name]
-        stream.label = f"{w.name} {system} {rep + 1}/{args.repeat}"
-        run_dir = os.path.join(workdir, f"{w.name}-{system}-{rep + 1}")
-        os.makedirs(run_dir, exist_ok=True)
-        opts = RunOptions(workdir=run_dir, timeout=args.timeout, aux_path=args.aux_path, api=api_for(w, args.baseline_api),
-                          window=args.window, corrupt=system in args.corrupt)
-
-        def progress(done: int, nbytes: int, mismatches: int) -> None:
-            bar.update(rooms_before + done, bytes_before + nbytes, mismatches_before + mismatches)
-
-        try:
-            result = RUNNERS[system](plan, path, opts, progress)
-        except (LaunchError, OSError, ValueError, KeyError) as exc:
-            result = RunResult(system, w.name, len(plan.rooms), error=f"{type(exc).__name__}: {exc}")
-        if result.error:
-            result.error += f" [logs in {run_dir}]"
-        runs[w.name].setdefault(system, []).append(result)
-        rooms_before += len(plan.rooms)
-        bytes_before += result.bytes
-        mismatches_before += result.mismatches
-        bar.update(rooms_before, bytes_before, mismatches_before)
-    bar.finish()
-    stream.label = ""
+    runs = run_all(args, workloads, plans, workdir)
     box_after, wall = box_cpu(), time.monotonic() - wall_before
     foreign = max(0.0, (box_after[0] - box_before[0]) - (box_after[1] - box_before[1]))
-
-    report = {
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "workloads": {},
-        "sweep": [{"in_flight": n, "workload": name} for n, name in sweep_points(args)],
-        "box": {"cpus": os.cpu_count(), "seconds": wall, "foreign_cpu_s": foreign,
-                "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0},
-    }
-    for w in workloads:
-        plan = plans[w.name][0]
-        counts = block_counts(plan)
-        systems = {s: summarize(rs) for s, rs in runs[w.name].items()}
-        med = {s: v["median"] for s, v in systems.items()}
-        entry = {
-            "shape": w.describe(),
-            "workload": w.__dict__,
-            "kv_bytes": int(plan.room_bytes().sum()),
-            "planned_blocks_per_room": {"mean": float(counts.mean()), "min": int(counts.min()), "max": int(counts.max())},
-            "baseline_api": api_for(w, args.baseline_api),
-            "systems": systems,
-            "ratios": {
-                "pdxfer/baseline": {k: _ratio(med.get("pdxfer", {}).get(k), med.get("baseline", {}).get(k)) for k, _, _ in FIGURES},
-                "pdxfer/wire": {k: _ratio(med.get("pdxfer", {}).get(k), med.get("wire", {}).get(k)) for k in ("gbps", "rooms_per_s")},
-            },
-        }
-        report["workloads"][w.name] = entry
-    if args.plan_indices:
-        report["planning"] = planning_figures(args, report)
-    report["targets"] = targets(report)
-    failures = [(name, s, e) for name, wl in report["workloads"].items() for s, v in wl["systems"].items() for e in v["errors"]]
-    bad = [(name, s, v["mismatches"]) for name, wl in report["workloads"].items() for s, v in wl["systems"].items() if v["mismatches"]]
+    report = build_report(args, workloads, plans, runs)
+    report["box"] = {"cpus": os.cpu_count(), "seconds": wall, "foreign_cpu_s": foreign,
+                     "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0}
+    # every run counts here, the baseline APIs that were not picked included
+    failures = [(name, key, r.error) for name, by_key in runs.items() for key, rs in by_key.items() for r in rs if r.error]
+    bad = [(name, key, n) for name, by_key in runs.items() for key, rs in by_key.items() if (n := sum(r.mismatches for r in rs))]
     report["ok"] = not failures and not bad
-    if args.json:
-        print(json.dumps(report, default=_json_default))
-    else:
-        print(format_report(report))
+    print(json.dumps(report, default=_json_default) if args.json else format_report(report))
     for name, system, count in bad:
         print(f"pdxfer bench: VERIFICATION FAILED: {count} room(s) of {name} on {system} arrived with wrong bytes", file=sys.stderr)
     for name, system, error in failures:
@@ -207,6 +181,76 @@ def run_bench(args: argparse.Namespace) -> int:
     if report["ok"] and not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if report["ok"] else 1
+
+
+def run_all(args: argparse.Namespace, workloads: list[Workload], plans: dict, workdir: str) -> dict[str, dict[str, list[RunResult]]]:
+    """Every scheduled run, with the progress bar; results by workload, then by
+    system ('baseline:API' for the baseline)."""
+    schedule = schedule_runs(args, workloads)
+    stream = LabelledStream(sys.stderr)
+    bar = ProgressBar(sum(len(plans[w.name][0].rooms) for _, w, _, _ in schedule), stream=stream)
+    runs: dict[str, dict[str, list[RunResult]]] = {w.name: {} for w in workloads}
+    done_rooms = done_bytes = done_mismatches = 0
+    for rep, w, system, api in schedule:
+        plan, path = plans[w.name]
+        key = f"{system}:{api}" if api else system
+        shown_api = f" {api}" if api and len(apis_for(w, args.baseline_api)) > 1 else ""
+        stream.label = f"{w.name} {system}{shown_api} {rep + 1}/{args.repeat}"
+        run_dir = os.path.join(workdir, f"{w.name}-{key.replace(':', '-')}-{rep + 1}")
+        os.makedirs(run_dir, exist_ok=True)
+        opts = RunOptions(workdir=run_dir, timeout=args.timeout, aux_path=args.aux_path, api=api or "submit",
+                          window=args.window, corrupt=system in args.corrupt)
+
+        def progress(done: int, nbytes: int, mismatches: int) -> None:
+            bar.update(done_rooms + done, done_bytes + nbytes, done_mismatches + mismatches)
+
+        try:
+            result = RUNNERS[system](plan, path, opts, progress)
+        except Exception as exc:  # reported with the run; the others go on
+            result = RunResult(system, w.name, len(plan.rooms), error=f"{type(exc).__name__}: {exc}")
+        if result.error:
+            result.error += f" [logs in {run_dir}]"
+        runs[w.name].setdefault(key, []).append(result)
+        done_rooms, done_bytes, done_mismatches = done_rooms + len(plan.rooms), done_bytes + result.bytes, done_mismatches + result.mismatches
+        bar.update(done_rooms, done_bytes, done_mismatches)
+    bar.finish()
+    stream.label = ""
+    return runs
+
+
+def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dict, runs: dict) -> dict:
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "workloads": {},
+        "sweep": [{"in_flight": n, "workload": name} for n, name in sweep_points(args)],
+    }
+    for w in workloads:
+        plan, by_key = plans[w.name][0], runs[w.name]
+        counts = block_counts(plan)
+        by_api = {k.partition(":")[2]: summarize(rs) for k, rs in by_key.items() if k.startswith("baseline:")}
+        best = pick_baseline(by_key) if by_api else ""
+        systems = {name: summarize(by_key[key]) for name, key in (("wire", "wire"), ("baseline", best), ("pdxfer", "pdxfer"))
+                   if key in by_key}
+        med = {s: v["median"] for s, v in systems.items()}
+
+        def ratios(other: str, keys) -> dict:
+            return {k: _ratio(med.get("pdxfer", {}).get(k), med.get(other, {}).get(k)) for k in keys}
+
+        report["workloads"][w.name] = {
+            "shape": w.describe(),
+            "workload": w.__dict__,
+            "kv_bytes": int(plan.room_bytes().sum()),
+            "planned_blocks_per_room": {"mean": float(counts.mean()), "min": int(counts.min()), "max": int(counts.max())},
+            "baseline_api": best.partition(":")[2],
+            "baseline_apis": {api: v["median"] for api, v in by_api.items()},
+            "systems": systems,
+            "ratios": {"pdxfer/baseline": ratios("baseline", [k for k, _, _ in FIGURES]),
+                       "pdxfer/wire": ratios("wire", ("gbps", "rooms_per_s"))},
+        }
+    if args.plan_indices:
+        report["planning"] = planning_figures(args, report)
+    report["targets"] = targets(report)
+    return report
 
 
 def planning_figures(args: argparse.Namespace, report: dict) -> dict:

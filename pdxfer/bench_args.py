@@ -7,7 +7,7 @@ import argparse
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
-BASELINE_APIS = ("auto", "submit", "submit_spin", "batch_async", "batch_sync")
+BASELINE_APIS = ("auto", "all", "submit", "submit_spin", "batch_async", "batch_sync")
 
 DESCRIPTION = """\
 Measure, in one run and on the same buffers and block lists, three ways of moving
@@ -109,9 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("how")
     g.add_argument("--baseline-api", choices=BASELINE_APIS, default="auto",
                    help="transfer engine API of the baseline writer: submit (transfer_submit_write per block, "
-                   "transfer_check_status with short sleeps), batch_async (batch_transfer_async_write per room, "
-                   "get_batch_transfer_status), batch_sync (batch_transfer_sync_write, a thread per room in flight); "
-                   "auto picks the fastest measured on this kind of box, submit for every workload (default: auto)")
+                   "transfer_check_status on the oldest write, short sleeps while none completed), submit_spin (the same, "
+                   "polling without sleeping), batch_async (batch_transfer_async_write per room, get_batch_transfer_status), "
+                   "batch_sync (batch_transfer_sync_write, a thread per room in flight, at most 16); all runs every one "
+                   "and takes the fastest per workload as the baseline (and lists the others); auto uses the one measured "
+                   "fastest on a 2-core box: submit_spin for one room of at most 1 MiB at a time, submit otherwise (default: auto)")
     g.add_argument("--window", type=int, default=512, metavar="N",
                    help="baseline writes in flight to the peer, as pdxfer's --peer-window; under the engine's per-peer "
                    "queue of 1024 (default: 512)")

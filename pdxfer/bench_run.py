@@ -27,7 +27,7 @@ import numpy as np
 
 from .bench_plan import Plan, block_counts
 from .bench_raw import proc_sample
-from .launch import LaunchError, read_events, start_daemon, start_sim
+from .launch import LaunchError, read_events, sim_argv, start_daemon
 
 Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
 
@@ -129,8 +129,10 @@ def raw_argv(role: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "pdxfer.bench_raw", role, *flags]
 
 
-def _spawn(argv: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_env(), text=True)
+def _spawn(argv: list[str], log_path: str) -> subprocess.Popen:
+    """Start a process that takes lines on stdin, prints JSON lines, logs to log_path."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_env(), text=True)
 
 
 def _say(proc: subprocess.Popen, line: str) -> None:
@@ -143,6 +145,9 @@ def _reap(procs) -> None:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def _on_progress(progress: Progress, names: tuple[str, ...]):
@@ -153,8 +158,8 @@ def _on_progress(progress: Progress, names: tuple[str, ...]):
     return on_event
 
 
-def _log(workdir: str, name: str):
-    return open(os.path.join(workdir, f"{name}.log"), "w")
+def _log(workdir: str, name: str) -> str:
+    return os.path.join(workdir, f"{name}.log")
 
 
 def run_wire(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
@@ -218,11 +223,11 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
 
 def _start_daemons(runtime: str, opts: RunOptions) -> dict:
     flags = ["--log-level", "warning", "--aux-path", opts.aux_path]
+    logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}
     with ThreadPoolExecutor(2) as pool:
-        futures = {
-            role: pool.submit(start_daemon, role, runtime, *flags, stderr=_log(opts.workdir, f"{role}-daemon"), timeout=60.0)
-            for role in ("prefill", "decode")
-        }
+        futures = {role: pool.submit(start_daemon, role, runtime, *flags, stderr=logs[role], timeout=60.0) for role in logs}
+    for log in logs.values():  # the daemons have their own copies
+        log.close()
     daemons, failure = {}, None
     for role, fut in futures.items():
         try:
@@ -232,8 +237,22 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
     if failure is not None:
         for d in daemons.values():
             d.stop()
+            d.proc.stdout.close()
         raise failure
     return daemons
+
+
+def daemon_counters(daemon) -> dict[str, float] | None:
+    """The daemon's own counters (blocks submitted, bytes moved, ...) from its admin
+    API; None when it has none to give."""
+    try:
+        from .inspection import AdminClient
+        from .protocol import AdminInfo
+
+        with AdminClient(daemon.ready["admin"], timeout=5.0) as admin:
+            return dict(admin.call(AdminInfo).counters)
+    except Exception:  # an older daemon, or the admin API moved: fall back to the plan
+        return None
 
 
 def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
@@ -245,6 +264,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         "--plan", plan_path, "--rooms", str(len(plan.rooms)), "--in-flight", str(w.in_flight), "--layout", "mha",
         "--layers", str(w.layers), "--page-size", str(w.page_size), "--token-bytes", str(w.token_bytes),
         "--pages", str(plan.num_pages), "--slots", str(max(8, 2 * w.in_flight)), "--room-timeout", str(opts.timeout),
+        "--start-on-stdin",
     ]
     daemons: dict = {}
     sims: dict[str, subprocess.Popen] = {}
@@ -253,26 +273,26 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         daemons = _start_daemons(runtime, opts)
         pids = {role: d.pid for role, d in daemons.items()}
         samples["idle"] = {role: proc_sample(pid) for role, pid in pids.items()}
-        sims["prefill"] = start_sim("prefill", daemons["prefill"].engine, *flags, "--timings", timing["prefill"],
-                                    stderr=_log(opts.workdir, "prefill-engine"))
-        sims["decode"] = start_sim("decode", daemons["decode"].engine, "--bootstrap", daemons["prefill"].bootstrap, *flags,
-                                   "--timings", timing["decode"], *(["--corrupt"] if opts.corrupt else []),
-                                   stderr=_log(opts.workdir, "decode-engine"))
-        ready: set[str] = set()
-        show = _on_progress(progress, ("decode",))
-
-        def on_event(name: str, event: dict) -> None:
-            if event.get("event") == "ready":
-                ready.add(name)
-                if len(ready) == 2:  # both pools registered, sources filled: the window opens
-                    samples["before"] = {role: proc_sample(pid) for role, pid in pids.items()}
-            show(name, event)
-
-        summaries = read_events(sims, on_event, timeout=opts.timeout)
+        sims["prefill"] = _spawn(
+            sim_argv("prefill", daemons["prefill"].engine, *flags, "--timings", timing["prefill"]), _log(opts.workdir, "prefill-engine"))
+        sims["decode"] = _spawn(
+            sim_argv("decode", daemons["decode"].engine, "--bootstrap", daemons["prefill"].bootstrap, *flags,
+                     "--timings", timing["decode"], *(["--corrupt"] if opts.corrupt else [])),
+            _log(opts.workdir, "decode-engine"))
+        for sim in sims.values():  # pools registered, sources filled
+            _await_event(sim, "ready", opts.timeout)
+        samples["counters"] = daemon_counters(daemons["prefill"])
+        samples["before"] = {role: proc_sample(pid) for role, pid in pids.items()}
+        for sim in sims.values():
+            _say(sim, "go")
+        summaries = read_events(sims, _on_progress(progress, ("decode",)), timeout=opts.timeout)
         samples["after"] = {role: proc_sample(pid) for role, pid in pids.items() if daemons[role].alive()}
+        counters = daemon_counters(daemons["prefill"]) if samples.get("counters") is not None else None
     finally:
         _reap(sims.values())
         codes = {role: d.stop() for role, d in daemons.items()}
+        for d in daemons.values():
+            d.proc.stdout.close()
         shutil.rmtree(runtime, ignore_errors=True)
     dec, pre = summaries.get("decode"), summaries.get("prefill")
     if dec is None or pre is None or len(samples.get("after", {})) != 2 or "before" not in samples:
@@ -283,7 +303,14 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     starts = np.array([max(s, sent.get(r, np.inf)) for r, s in zip(d["room"].tolist(), d["start"].tolist())])
     ok = d["ok"] & np.isfinite(starts)
     _timed(result, plan, d["room"], starts, d["end"], ok)
-    result.blocks = int(block_counts(plan).sum())  # the daemon plans with the same function
+    planned = int(block_counts(plan).sum())  # the daemon plans with the same function
+    if counters is not None:
+        result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
+        result.extra.update(blocks_from="prefill daemon's counter", blocks_planned=planned,
+                            prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
+    else:
+        result.blocks = planned
+        result.extra.update(blocks_from="plan (the daemon has no admin counters)")
     result.mismatches = dec["mismatches"]
     if result.ok != len(plan.rooms):
         result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"

@@ -155,6 +155,14 @@ def _save_timings(path: str, timings: list[tuple[int, float, float, bool]]) -> N
                  end=np.array(ends, np.float64), ok=np.array(ok, bool))
 
 
+async def _ready(args, report: Reporter) -> None:
+    """Say the pools are registered (and, with --plan, the sources filled); with
+    --start-on-stdin, wait for a line on stdin before the first room."""
+    report.emit("ready", force=True)
+    if args.start_on_stdin:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
 async def _connect(args) -> tuple[AsyncClient, KVLayout]:
     client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}")
     await client.connect()
@@ -192,7 +200,7 @@ async def run_prefill(args) -> dict:
     timings: list[tuple[int, float, float, bool]] = []
     gate = asyncio.Semaphore(args.in_flight)
     report = Reporter()
-    report.emit("ready", force=True)
+    await _ready(args, report)
 
     async def one(spec: RoomSpec) -> None:
         n = pages_for_tokens(spec.tokens, layout.page_size)
@@ -247,7 +255,7 @@ async def run_decode(args) -> dict:
     corrupt = args.corrupt
     gate = asyncio.Semaphore(args.in_flight)
     report = Reporter()
-    report.emit("ready", force=True)
+    await _ready(args, report)
     started = time.perf_counter()
 
     def check(spec: RoomSpec, pages: np.ndarray) -> bool:
@@ -368,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "its first send() and the decode checks destination pages after its last room")
     p.add_argument("--timings", default="", metavar="FILE",
                    help="write each room's id, the monotonic time of its send()/expect() call and of its settled wait() to FILE (.npz)")
+    p.add_argument("--start-on-stdin", action="store_true",
+                   help="after the 'ready' line, wait for a line on stdin before the first room (the benchmark samples "
+                   "the daemons in between)")
     p.add_argument("--corrupt", action="store_true",
                    help="decode, testing aid: flip one destination byte of the first successful room before it is checked")
     return p
