@@ -75,7 +75,7 @@ def _outcome(status) -> str:
 
 async def _settle(client: AsyncClient, room: int) -> str:
     status = await client.wait(room, timeout=120)
-    await client.release(room)
+    await client.release(room, wait=False)
     return _outcome(status)
 
 
@@ -147,7 +147,7 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
                         report.corruptions += 1
                     else:
                         report.verified += 1
-            await dec.release(room)
+            await dec.release(room, wait=False)
             return _outcome(status)
 
         async def one(i: int) -> None:

@@ -21,7 +21,7 @@ import uuid
 from typing import Awaitable, Callable
 
 import msgspec
-import zmq.asyncio
+import zmq
 
 from . import admin, memory, paths
 from .config import Config
@@ -63,10 +63,10 @@ class Daemon:
         self.registry: Registry | None = None
         self._admin: Router | None = None
         self.seal = Seal(self.incarnation)
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context | None = None
         self._engine: Router | None = None
         self._bootstrap: Router | None = None
-        self._links: dict[str, tuple[Dealer, asyncio.Task]] = {}
+        self._links: dict[str, Dealer] = {}
         self._tasks: list[asyncio.Task] = []
         self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -77,7 +77,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         cfg = self.config
         self.seal = Seal(self.incarnation, read_secret(cfg.cluster_secret_file))
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         for step in paths.startup_steps(cfg.device):
             if step == "bind_device":
                 memory.bind_device(cfg.device)
@@ -87,15 +87,16 @@ class Daemon:
                 self.session = await loop.run_in_executor(None, self.transport.start)
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = Router(self._ctx, f"tcp://{cfg.host}:{cfg.bootstrap_port}", cfg.max_message_bytes, cfg.engine_queue)
-                bound = self._bootstrap.start()
+                bound = self._bootstrap.start(loop, self._on_bootstrap)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
-                self.engine_endpoint = self._engine.start()
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
-                self.admin_endpoint = self._admin.start()
         self.pump = TransferPump(self.transport, self._window(), loop)
         self.service = self._make_service()
+        # Engines and operators are let in only now that the service exists.
+        self.engine_endpoint = self._engine.start(loop, self._on_engine)
+        self.admin_endpoint = self._admin.start(loop, self._on_admin)
         self.pump.on_reset = self._transport_reset
         self.pump.start()
         self.metrics = Metrics(self)
@@ -103,12 +104,7 @@ class Daemon:
         if cfg.http_port:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
             self.http_port = await self._http.start()
-        self._spawn("engine", self._engine_loop)
-        self._spawn("engine-connections", self._engine.track_connections)
-        if self._bootstrap is not None:
-            self._spawn("bootstrap", self._bootstrap_loop)
         self._spawn("ticker", self._ticker)
-        self._spawn("admin", self._admin_loop)
         if cfg.registry:
             await self._join_registry()
         log.info(
@@ -229,15 +225,13 @@ class Daemon:
                 log.warning("could not deregister from etcd: %s", exc)
         for task in self._tasks:
             task.cancel()
-        for _, task in self._links.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks, *(t for _, t in self._links.values()), return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self.pump is not None:
             self.pump.stop()
         if self._http is not None:
             self._http.close()
-        for sock in (self._engine, self._admin, self._bootstrap, *(d for d, _ in self._links.values())):
+        for sock in (self._engine, self._admin, self._bootstrap, *self._links.values()):
             if sock is not None:
                 sock.close()
         self._links.clear()
@@ -274,41 +268,41 @@ class Daemon:
                 log.exception("background task %s failed; restarting it", name)
                 await asyncio.sleep(0.1)
 
-    async def _engine_loop(self) -> None:
-        engine, service = self._engine, self.service
-        while True:
-            identity, frames = await engine.recv()
-            reply = await service.on_engine(identity, frames[-1] if frames else b"")
-            engine.send(identity, self.codec.encode(reply))
+    def _on_engine(self, identity: bytes, frames: list[bytes]) -> None:
+        reply = self.service.on_engine(identity, frames[-1] if frames else b"")
+        if reply is None:
+            return
+        if isinstance(reply, Message):
+            self._engine.send(identity, self.codec.encode(reply))
+            return
 
-    async def _bootstrap_loop(self) -> None:
-        bootstrap, service = self._bootstrap, self.service
-        while True:
-            identity, frames = await bootstrap.recv()
-            try:
-                incarnation, payload = self.seal.open(frames)
-            except Unauthenticated as exc:
-                service.count_failure("unauthenticated")
-                log.warning("refused an unauthenticated bootstrap message: %s", exc)
-                self._send_bootstrap(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=str(exc)))
-                continue
-            except BadMessage as exc:
-                self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
-                continue
-            service.on_peer(identity, incarnation, payload)
+        async def finish() -> None:  # a registration: it maps and registers memory off the loop
+            self._engine.send(identity, self.codec.encode(await reply))
 
-    async def _admin_loop(self) -> None:
-        router, codec = self._admin, self.codec
-        while True:
-            identity, frames = await router.recv()
-            try:
-                _, payload = self.seal.open(frames)
-                reply = admin.handle(self, codec.admin_requests.decode(payload))
-            except PdxferError as exc:
-                reply = Error(req=0, code=exc.code, message=exc.message)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
-            router.send(identity, *self.seal.seal(codec.encode(reply)))
+        self._oneshot(finish())
+
+    def _on_bootstrap(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            incarnation, payload = self.seal.open(frames)
+        except Unauthenticated as exc:
+            self.service.count_failure("unauthenticated")
+            log.warning("refused an unauthenticated bootstrap message: %s", exc)
+            self._send_bootstrap(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=str(exc)))
+            return
+        except BadMessage as exc:
+            self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
+            return
+        self.service.on_peer(identity, incarnation, payload)
+
+    def _on_admin(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            _, payload = self.seal.open(frames)
+            reply = admin.handle(self, self.codec.admin_requests.decode(payload))
+        except PdxferError as exc:
+            reply = Error(req=0, code=exc.code, message=exc.message)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
+        self._admin.send(identity, *self.seal.seal(self.codec.encode(reply)))
 
     def _observe(self, room, left, now: float) -> None:
         self.metrics.observe(room, left, now)
@@ -350,7 +344,11 @@ class Daemon:
             await asyncio.get_running_loop().run_in_executor(None, self.transport.unregister, mapping.address)
             mapping.close()
 
-        task = asyncio.create_task(release())
+        self._oneshot(release())
+
+    def _oneshot(self, coro) -> None:
+        """Run a one-off step in the background; its failure is logged and counted."""
+        task = asyncio.create_task(coro)
         self._oneshots.add(task)
         task.add_done_callback(self._oneshot_done)
 
@@ -366,40 +364,31 @@ class Daemon:
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
         dealer = Dealer(self._ctx, endpoint, self.incarnation.encode(), cfg.max_message_bytes, cfg.engine_queue)
-        dealer.start()
-        task = asyncio.create_task(self._supervise(f"link {endpoint}", lambda: self._link_loop(endpoint, dealer)))
-        self._links[endpoint] = (dealer, task)
+        dealer.start(
+            asyncio.get_running_loop(),
+            lambda frames: self._on_link(endpoint, frames),
+            lambda event: self.service.on_connection(endpoint, event),
+        )
+        self._links[endpoint] = dealer
 
-    async def _link_loop(self, endpoint: str, dealer: Dealer) -> None:
-        events = asyncio.create_task(self._link_events(endpoint, dealer))
+    def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
         try:
-            while dealer.sock is not None:  # closed by _close_link, maybe from inside on_link
-                frames = await dealer.recv()
-                try:
-                    incarnation, payload = self.seal.open(frames)
-                except (Unauthenticated, BadMessage) as exc:
-                    self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
-                    log.warning("dropped a message from prefill %s: %s", endpoint, exc)
-                    continue
-                self.service.on_link(endpoint, incarnation, payload)
-        finally:
-            events.cancel()
-
-    async def _link_events(self, endpoint: str, dealer: Dealer) -> None:
-        while dealer.monitor is not None:
-            self.service.on_connection(endpoint, await dealer.connection_event())
+            incarnation, payload = self.seal.open(frames)
+        except (Unauthenticated, BadMessage) as exc:
+            self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
+            log.warning("dropped a message from prefill %s: %s", endpoint, exc)
+            return
+        self.service.on_link(endpoint, incarnation, payload)
 
     def _close_link(self, endpoint: str) -> None:
-        entry = self._links.pop(endpoint, None)
-        if entry is not None:
-            dealer, task = entry
-            task.cancel()
+        dealer = self._links.pop(endpoint, None)
+        if dealer is not None:
             dealer.close()
 
     def _send_link(self, endpoint: str, message: Message) -> None:
-        entry = self._links.get(endpoint)
-        if entry is not None:
-            entry[0].send(*self.seal.seal(self.codec.encode(message)))
+        dealer = self._links.get(endpoint)
+        if dealer is not None:
+            dealer.send(*self.seal.seal(self.codec.encode(message)))
 
 
 def read_secret(path: str) -> bytes:

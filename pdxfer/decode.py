@@ -346,6 +346,8 @@ class DecodeService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         aux.slots.mark_written(msg.slot, msg.generation, self.clock())
+        if room.state.value == "bootstrapping":  # the prefill had its input already: no room_accepted came
+            self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
         if room.state.value == "waiting_for_input":
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
         room.bytes_moved = msg.kv_pages * sum(r.page_bytes for r in self._kv().regions) + HEADER_BYTES + msg.length

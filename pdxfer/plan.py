@@ -18,6 +18,7 @@ from .errors import InsufficientCapacity, PageOutOfRange, StaleMemoryVersion
 from .protocol import PROTOCOL_VERSION, Compat, KVLayout, Layout
 
 PAGE_DTYPE = np.dtype("<i4")
+SMALL = 16  # page lists up to this long take plain-Python paths: numpy's per-call cost dominates there
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def check_pages(pages: np.ndarray, num_pages: int, what: str, room: int = 0) -> 
     """C2: every index must name a page of the registered pool. Never clamps."""
     if pages.size == 0:
         raise PageOutOfRange(f"{what} page list is empty", room=room)
+    if pages.size <= SMALL and 0 <= min(pages.tolist()) and max(pages.tolist()) < num_pages:
+        return  # the common small room, without numpy's per-call overhead
     bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
     if bad.size:
         at = int(bad[0])
@@ -130,6 +133,8 @@ class Runs:
 def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> Runs:
     if src_pages.shape != dst_pages.shape:
         raise ValueError(f"{src_pages.size} source pages but {dst_pages.size} destination pages")
+    if 0 < src_pages.size <= SMALL:
+        return Runs(*(np.array(column, np.int64) for column in _runs_small(src_pages.tolist(), dst_pages.tolist())))
     src = src_pages.astype(np.int64, copy=False)
     dst = dst_pages.astype(np.int64, copy=False)
     if src.size == 0:
@@ -141,6 +146,15 @@ def coalesce(src_pages: np.ndarray, dst_pages: np.ndarray) -> Runs:
     return Runs(src[starts], dst[starts], ends - starts)
 
 
+def _runs_small(src: list[int], dst: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """coalesce() for a handful of pages, as (src starts, dst starts, lengths) lists:
+    plain Python is several times faster than numpy at this size (the
+    control-plane-bound case)."""
+    starts = [0] + [i for i in range(1, len(src)) if src[i] - src[i - 1] != 1 or dst[i] - dst[i - 1] != 1]
+    ends = starts[1:] + [len(src)]
+    return [src[i] for i in starts], [dst[i] for i in starts], [e - s for s, e in zip(starts, ends)]
+
+
 @dataclass(frozen=True)
 class Blocks:
     """Byte ranges to write: src[i] -> dst[i], length[i] bytes (uint64 arrays)."""
@@ -148,13 +162,15 @@ class Blocks:
     src: np.ndarray
     dst: np.ndarray
     length: np.ndarray
+    nbytes: int
+
+    @classmethod
+    def of(cls, src, dst, length) -> "Blocks":
+        length = np.asarray(length, np.uint64)
+        return cls(np.asarray(src, np.uint64), np.asarray(dst, np.uint64), length, int(length.sum()))
 
     def __len__(self) -> int:
         return int(self.src.size)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
 
 
 def plan_blocks(
@@ -170,14 +186,25 @@ def plan_blocks(
     only the first ``len(src_pages)`` destination pages are written."""
     if dst_pages.size < src_pages.size:
         raise InsufficientCapacity(f"{src_pages.size} source pages but only {dst_pages.size} destination pages")
+    if 0 < src_pages.size <= SMALL:
+        starts, dst_starts, lengths = _runs_small(src_pages.tolist(), dst_pages[: src_pages.size].tolist())
+        per_region = [(sb, db, r.page_bytes) for sb, db, r in zip(src_bases, dst_bases, regions)]
+        return Blocks(
+            np.array([sb + s * pb for sb, _, pb in per_region for s in starts], np.uint64),
+            np.array([db + d * pb for _, db, pb in per_region for d in dst_starts], np.uint64),
+            np.array([n * pb for _, _, pb in per_region for n in lengths], np.uint64),
+            sum(lengths) * sum(pb for _, _, pb in per_region),
+        )
     runs = coalesce(src_pages, dst_pages[: src_pages.size])
     page_bytes = np.array([r.page_bytes for r in regions], dtype=np.uint64)[:, None]
     src_base = np.asarray(src_bases, dtype=np.uint64)[:, None]
     dst_base = np.asarray(dst_bases, dtype=np.uint64)[:, None]
+    length = np.broadcast_to(runs.length.astype(np.uint64) * page_bytes, (len(regions), runs.length.size)).ravel()
     return Blocks(
         src=(src_base + runs.src_start.astype(np.uint64) * page_bytes).ravel(),
         dst=(dst_base + runs.dst_start.astype(np.uint64) * page_bytes).ravel(),
-        length=np.broadcast_to(runs.length.astype(np.uint64) * page_bytes, (len(regions), runs.length.size)).ravel(),
+        length=length,
+        nbytes=int(length.sum()),
     )
 
 

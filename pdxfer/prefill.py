@@ -329,9 +329,7 @@ class PrefillService(RoomService):
             return
         aux.write_header(room.slot, stamp)
         dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
-        blocks = Blocks(
-            np.array([aux.slot_address(room.slot)], np.uint64), np.array([dst], np.uint64), np.array([HEADER_BYTES + len(payload)], np.uint64)
-        )
+        blocks = Blocks.of([aux.slot_address(room.slot)], [dst], [HEADER_BYTES + len(payload)])
         w.job = Job(room.id, peer.hello.session, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.pump.submit(w.job)
 

@@ -193,7 +193,11 @@ class RegisterAux(Message, tag="register_aux"):
 
 
 class AllocSlot(Message, tag="alloc_slot"):
+    """Ask for an aux slot, or up to ``count`` at once (an engine may keep a few at
+    hand; slots granted and never used go back after --retention)."""
+
     req: ReqId
+    count: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class FreeSlot(Message, tag="free_slot"):
@@ -243,7 +247,8 @@ class Abort(Message, tag="abort"):
 
 
 class Release(Message, tag="release"):
-    """The engine is done with a finished room: its record and slot may be recycled."""
+    """The engine is done with a finished room: its record and slot may be recycled.
+    With req 0 (as free_slot) the daemon sends no reply; an error is only logged."""
 
     req: ReqId
     room: RoomId
@@ -278,6 +283,7 @@ class SlotGrant(Message, tag="slot_grant"):
     slot: Count
     generation: Positive
     payload_bytes: Count
+    more: tuple[tuple[Count, Positive], ...] = ()  # further (slot, generation) grants, when count > 1
 
 
 class RoomStatus(Message, tag="room_status"):

@@ -30,7 +30,13 @@ from .transport import Status, Transport
 
 log = logging.getLogger("pdxfer.pump")
 
-IDLE_POLL_MAX = 0.001  # longest sleep between polls while writes are in flight
+# Polling: with a few writes in flight (a small room, where latency is the point) spin
+# for SPIN_SECONDS, then sleep at most IDLE_POLL_MAX between polls; with many (bulk
+# transfers, where the engine's threads need the cores) back off up to BULK_POLL_MAX.
+SPIN_BELOW = 16
+SPIN_SECONDS = 0.0001  # a small write completes in ~50 us
+IDLE_POLL_MAX = 0.0002
+BULK_POLL_MAX = 0.001
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 
 
@@ -120,6 +126,7 @@ class TransferPump:
 
     def _run(self) -> None:
         pause = 0.0
+        idle_since = 0.0
         while not self._stopping:
             try:
                 progressed = self._round()
@@ -130,10 +137,14 @@ class TransferPump:
             self._flush()
             busy = any(p.in_flight or p.jobs for p in self._peers.values())
             if progressed:
-                pause = 0.0
+                pause = idle_since = 0.0
             elif busy:
-                pause = min(IDLE_POLL_MAX, pause * 2 or 0.00005)
-                time.sleep(pause)
+                now = time.monotonic()
+                idle_since = idle_since or now
+                few = sum(len(p.in_flight) for p in self._peers.values()) <= SPIN_BELOW
+                if not few or now - idle_since > SPIN_SECONDS:  # polls release the GIL: a short spin is cheap
+                    pause = min(IDLE_POLL_MAX if few else BULK_POLL_MAX, pause * 2 or 0.00002)
+                    time.sleep(pause)
             else:
                 self._wake.wait()
                 self._wake.clear()

@@ -104,29 +104,45 @@ class RoomService:
 
     # --- engine conversation
 
-    async def on_engine(self, identity: bytes, raw: bytes) -> Message:
-        """Handle one engine message and return the reply."""
+    def on_engine(self, identity: bytes, raw: bytes) -> Message | Awaitable[Message] | None:
+        """Handle one engine message: the reply; for a registration (which maps and
+        registers memory off the event loop) an awaitable of it; None when the
+        engine asked for no reply."""
         if len(raw) > self.config.max_message_bytes:
             return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
         try:
             msg = self.codec.engine_requests.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
+        if isinstance(msg, (RegisterKV, RegisterAux)):
+            return self._registration(msg)
         try:
-            if isinstance(msg, RegisterKV):
-                return await self._register_kv(msg)
-            if isinstance(msg, RegisterAux):
-                return await self._register_aux(msg)
-            return self._dispatch(identity, msg)
-        except errors.Busy as exc:
+            reply = self._dispatch(identity, msg)
+        except Exception as exc:
+            reply = self._error_reply(msg, exc)
+        if msg.req == 0 and isinstance(msg, (Release, FreeSlot)):  # fire and forget
+            if not isinstance(reply, Ok):
+                log.warning("%s without a reply failed: %s", type(msg).__name__, reply)
+            return None
+        return reply
+
+    async def _registration(self, msg: RegisterKV | RegisterAux) -> Message:
+        try:
+            return await (self._register_kv(msg) if isinstance(msg, RegisterKV) else self._register_aux(msg))
+        except Exception as exc:
+            return self._error_reply(msg, exc)
+
+    def _error_reply(self, msg: Message, exc: Exception) -> Message:
+        """What the engine hears when handling ``msg`` raised ``exc``."""
+        if isinstance(exc, errors.Busy):
             return Busy(req=msg.req, reason=exc.message, retry_after_ms=exc.retry_after_ms)
-        except PdxferError as exc:
+        if isinstance(exc, PdxferError):
             return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
-        except Exception as exc:  # H1: a bug answers this request and nothing else
-            room = getattr(msg, "room", 0)
-            self.count_failure("internal")
-            log.exception("internal error handling %s for room %s", type(msg).__name__, room)
-            return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
+        # H1: a bug answers this request and nothing else.
+        room = getattr(msg, "room", 0)
+        self.count_failure("internal")
+        log.error("internal error handling %s for room %s", type(msg).__name__, room, exc_info=exc)
+        return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
 
     def _dispatch(self, identity: bytes, msg: Message) -> Message:
         if isinstance(msg, Poll):
@@ -138,8 +154,10 @@ class RoomService:
         if isinstance(msg, GetStats):
             return self.stats(msg.req)
         if isinstance(msg, AllocSlot):
-            slot = self._aux().slots.allocate(self.clock())
-            return SlotGrant(req=msg.req, slot=slot.index, generation=slot.generation, payload_bytes=self._aux().payload_bytes)
+            slots, now = self._aux().slots, self.clock()
+            first = slots.allocate(now)
+            more = tuple((s.index, s.generation) for s in (slots.allocate(now) for _ in range(min(msg.count, slots.free_count + 1) - 1)))
+            return SlotGrant(req=msg.req, slot=first.index, generation=first.generation, payload_bytes=self._aux().payload_bytes, more=more)
         if isinstance(msg, FreeSlot):
             self._aux().slots.give_back(msg.slot, msg.generation, self.clock())
             return Ok(req=msg.req)
@@ -416,6 +434,9 @@ class RoomService:
             for mapping in due:
                 self.release_mapping(mapping)
         if self.aux is not None:
+            reclaimed = self.aux.slots.reclaim_granted(now - self.config.retention)
+            if reclaimed:
+                log.warning("reclaimed %d aux slots granted over %gs ago and never used: %s", len(reclaimed), self.config.retention, reclaimed[:8])
             for slot in self.aux.slots.expire_fences(now):
                 room = self.rooms.find(slot.room)  # the room it was quarantined for, not its new state
                 log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room)

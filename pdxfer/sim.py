@@ -164,7 +164,7 @@ async def _ready(args, report: Reporter) -> None:
 
 
 async def _connect(args) -> tuple[AsyncClient, KVLayout]:
-    client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}")
+    client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}", slot_batch=8)
     await client.connect()
     layout = layout_from(args)
     await client.create_kv_pool(layout)
@@ -219,7 +219,7 @@ async def run_prefill(args) -> dict:
             status = await client.wait(spec.room, timeout=args.room_timeout)
             timings.append((spec.room, t0, time.monotonic(), status.state is RoomState.SUCCESS))
             key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
-            await client.release(spec.room)
+            await client.release(spec.room, wait=False)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"
         outcome[key] = outcome.get(key, 0) + 1
@@ -309,7 +309,7 @@ async def run_decode(args) -> dict:
                 key = f"failed:{status.code.value}"
                 if not fault:
                     print(f"room {spec.room}: failed [{status.code.value}] {status.reason}", file=sys.stderr)
-            await client.release(spec.room)
+            await client.release(spec.room, wait=False)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"
             if not fault:

@@ -143,6 +143,14 @@ class SlotAllocator:
         self._free_slot(slot, now)
         return True
 
+    def reclaim_granted(self, older_than: float) -> list[int]:
+        """Free slots granted before ``older_than`` and never bound: an engine took
+        them and went away. Returns their indices."""
+        stale = [s for s in self.slots if s.state is SlotState.GRANTED and s.since < older_than]
+        for slot in stale:
+            self._free_slot(slot, older_than)
+        return [s.index for s in stale]
+
     def expire_fences(self, now: float) -> list[Fenced]:
         """Free quarantined slots whose fence deadline passed; say whose they were."""
         due = sorted((self.slots[i] for i in self._quarantined if self.slots[i].fence_deadline <= now), key=lambda s: s.fence_deadline)

@@ -5,6 +5,11 @@ an envelope (the sender's incarnation and, with a cluster secret, an HMAC) and t
 payload. Routers receive ``[identity, *frames]``. Sizes are bounded twice: ZMQ drops
 a connection whose message exceeds twice the limit before it is buffered, and
 anything over the limit itself is refused with an error reply by the caller.
+
+Sockets are plain (not zmq.asyncio) and driven by the event loop: the loop watches
+each socket's file descriptor and hands every waiting message to a callback, and
+sends never block. That costs no future or task per message, which cut a request's
+round trip on loopback from ~130 us to ~45 us here.
 """
 
 from __future__ import annotations
@@ -15,29 +20,17 @@ import logging
 import os
 import stat
 
+import asyncio
+from typing import Callable
+
 import msgspec
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from .errors import BadMessage, PdxferError
 from .protocol import Envelope, ErrorCode
 
 log = logging.getLogger("pdxfer.wire")
-
-
-def _outcome(sent, to) -> bool:
-    """Whether a non-blocking send on an asyncio socket went out. Its error (the
-    identity is gone, the queue is full) is in the returned future, usually already
-    settled; one that settles later is read too, so it is not reported as lost."""
-    if not sent.done():
-        sent.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
-        return True
-    exc = sent.exception()
-    if exc is not None:
-        log.debug("dropped a message to %r: %s", to, exc)
-        return False
-    return True
 
 
 def _tune(sock: zmq.Socket, max_bytes: int, hwm: int) -> None:
@@ -101,57 +94,144 @@ class Seal:
         return env.incarnation, frames[1]
 
 
-class Router:
-    """A bound ROUTER socket: the daemon's engine endpoint or bootstrap endpoint."""
+BATCH = 256  # messages handled per wake-up before other callbacks get a turn
+# Plain ints: zmq's flag enums cost a Python-level __or__ on every frame.
+_LAST = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, max_bytes: int, hwm: int) -> None:
+
+class LoopSocket:
+    """A plain ZMQ socket whose incoming messages the event loop hands to
+    ``on_message`` as they arrive. A callback's exception is logged and counted
+    (``errors``) and the socket goes on (H1)."""
+
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str) -> None:
+        self.sock = sock
+        self.on_message = on_message
+        self.name = name
+        self.errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reading = False  # inside _readable, which reads again anyway
+        self._look_pending = False  # a _readable call is already scheduled
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self.sock.getsockopt(zmq.FD), self._readable)
+        loop.call_soon(self._readable)  # anything that arrived before we watched
+
+    def _readable(self) -> None:
+        self._look_pending = False
+        sock = self.sock
+        if sock is None or sock.closed:
+            return
+        self._reading = True
+        try:
+            for _ in range(BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as exc:
+                    log.warning("%s: receive failed: %s", self.name, exc)
+                    return
+                try:
+                    self.on_message(frames)
+                except Exception:
+                    self.errors += 1
+                    log.exception("%s: handling a message failed", self.name)
+            self._look_soon()  # more may be waiting
+        finally:
+            self._reading = False
+
+    def _look_soon(self) -> None:
+        if not self._look_pending and self._loop is not None:
+            self._look_pending = True
+            self._loop.call_soon(self._readable)
+
+    def send(self, frames, to="") -> bool:
+        """Queue a message without blocking; False if it could not be (peer gone, queue full)."""
+        sock = self.sock
+        if sock is None or sock.closed:
+            return False
+        try:
+            for frame in frames[:-1]:
+                sock.send(frame, _MORE, copy=len(frame) < _COPY_BELOW)
+            sock.send(frames[-1], _LAST, copy=len(frames[-1]) < _COPY_BELOW)
+            return True
+        except zmq.ZMQError as exc:
+            log.debug("%s: dropped a message to %r: %s", self.name, to, exc)
+            return False
+        finally:
+            # The descriptor signals edges: a send may have taken the wake-up for a
+            # message already waiting. Inside _readable the next read finds it;
+            # elsewhere, look once on the next turn of the loop.
+            if not self._reading:
+                self._look_soon()
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is None or sock.closed:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(sock.getsockopt(zmq.FD))
+        sock.close(0)
+
+
+def _monitor(sock: zmq.Socket, events: int, on_event: Callable[[int], None], name: str) -> LoopSocket:
+    """A loop-driven monitor of ``sock``: on_event(zmq event number)."""
+    return LoopSocket(sock.get_monitor_socket(events), lambda frames: on_event(parse_monitor_message(frames)["event"]), name)
+
+
+class Router:
+    """A bound ROUTER: the daemon's engine, bootstrap or admin endpoint.
+    ``on_message(identity, frames)`` gets each message."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, hwm: int) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.max_bytes = max_bytes
         self.hwm = hwm
-        self.sock: zmq.asyncio.Socket | None = None
         self.bound = ""
-        self.connections = 0  # peers connected now, kept by track_connections()
-        self._monitor: zmq.asyncio.Socket | None = None
+        self.connections = 0  # peers connected now (ROUTER sockets do not say who left, only that someone did)
+        self._io: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None
 
-    def start(self) -> str:
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None]) -> str:
         prepare_ipc(self.endpoint)
         sock = self.ctx.socket(zmq.ROUTER)
         _tune(sock, self.max_bytes, self.hwm)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # No ROUTER_MANDATORY: it would report a departed identity, but it cost ~35 us
+        # on every round trip here; a message to a peer that left is dropped silently.
+        self._monitor = _monitor(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, self._connection, f"{self.endpoint} monitor")
         if self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0"):
             sock.bind(self.endpoint[: -len(":0")] + ":*")
         else:
             sock.bind(self.endpoint)
         restrict_ipc(self.endpoint)
-        self.sock = sock
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._io = LoopSocket(sock, lambda frames: on_message(frames[0], frames[1:]), self.bound)
+        self._io.attach(loop)
+        self._monitor.attach(loop)
         return self.bound
 
-    async def recv(self) -> tuple[bytes, list[bytes]]:
-        frames = await self.sock.recv_multipart(copy=True)
-        return frames[0], frames[1:]
+    @property
+    def errors(self) -> int:
+        return self._io.errors if self._io is not None else 0
 
-    async def track_connections(self) -> None:
-        """Keep ``connections`` current (ROUTER sockets do not say who left, only that someone did)."""
-        while self._monitor is not None:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            self.connections += 1 if event["event"] == zmq.EVENT_ACCEPTED else -1
+    def _connection(self, event: int) -> None:
+        self.connections += 1 if event == zmq.EVENT_ACCEPTED else -1
 
     def send(self, identity: bytes, *frames: bytes) -> bool:
-        """Queue a message; False if that identity is gone or its queue is full."""
-        sent = self.sock.send_multipart((identity, *frames), flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
-        return _outcome(sent, identity)
+        """Queue a message; False if its queue is full (one to a departed identity is dropped)."""
+        return self._io is not None and self._io.send((identity, *frames), identity)
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self._io is not None:
+            self._io.sock.disable_monitor()
+            self._monitor.close()
+            self._io.close()
+            self._io = None
         if self.bound.startswith("ipc://"):
             try:
                 os.unlink(self.bound[len("ipc://") :])
@@ -160,42 +240,49 @@ class Router:
 
 
 class Dealer:
-    """A DEALER connected to a remote ROUTER (a decode daemon's link to a prefill)."""
+    """A DEALER connected to a remote ROUTER (a decode daemon's link to a prefill, an
+    engine's to its daemon). ``on_message(frames)`` gets each message and
+    ``on_connection('connected' | 'disconnected')`` each change of its TCP connection."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, identity: bytes, max_bytes: int, hwm: int) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, max_bytes: int, hwm: int) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.identity = identity
         self.max_bytes = max_bytes
         self.hwm = hwm
-        self.sock: zmq.asyncio.Socket | None = None
-        self.monitor: zmq.asyncio.Socket | None = None
+        self._io: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None
 
-    def start(self) -> None:
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[list[bytes]], None],
+        on_connection: Callable[[str], None] | None = None,
+    ) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         _tune(sock, self.max_bytes, self.hwm)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if self.identity:
+            sock.setsockopt(zmq.IDENTITY, self.identity)
+        if on_connection is not None:
+            tell = lambda event: on_connection("connected" if event == zmq.EVENT_CONNECTED else "disconnected")  # noqa: E731
+            self._monitor = _monitor(sock, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, tell, f"{self.endpoint} monitor")
+            self._monitor.attach(loop)
         sock.connect(self.endpoint)
-        self.sock = sock
+        self._io = LoopSocket(sock, on_message, self.endpoint)
+        self._io.attach(loop)
 
-    async def recv(self) -> list[bytes]:
-        return await self.sock.recv_multipart(copy=True)
-
-    async def connection_event(self) -> str:
-        """'connected' or 'disconnected', as TCP connections to the peer come and go."""
-        event = parse_monitor_message(await self.monitor.recv_multipart())
-        return "connected" if event["event"] == zmq.EVENT_CONNECTED else "disconnected"
+    @property
+    def errors(self) -> int:
+        return self._io.errors if self._io is not None else 0
 
     def send(self, *frames: bytes) -> bool:
-        sent = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
-        return _outcome(sent, self.endpoint)
+        return self._io is not None and self._io.send(frames, self.endpoint)
 
     def close(self) -> None:
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(0)
-            self.monitor = None
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self._io is None:
+            return
+        if self._monitor is not None:
+            self._io.sock.disable_monitor()
+            self._monitor.close()
+        self._io.close()
+        self._io = None

@@ -16,7 +16,6 @@ import logging
 import threading
 from collections import defaultdict
 
-import numpy as np
 import pytest
 
 from pdxfer.plan import Blocks
@@ -170,11 +169,7 @@ class Harness:
         srcs = [job_id * 1000 + i for i in range(n_blocks)]
         for key, what in behaviour.items():
             self.fake.behaviour[srcs[int(key[1:])]] = what
-        blocks = Blocks(
-            src=np.array(srcs, dtype=np.uint64),
-            dst=np.array([s + 500_000 for s in srcs], dtype=np.uint64),
-            length=np.full(n_blocks, 64, dtype=np.uint64),
-        )
+        blocks = Blocks.of(srcs, [s + 500_000 for s in srcs], [64] * n_blocks)
         future = self.loop.create_future()
 
         def on_done(job: Job) -> None:
