@@ -188,15 +188,16 @@ class TransferPump:
                     self._finished.append(job)
                 continue
             room = peer.window - len(peer.in_flight)
-            if job.retry:
-                indices = [job.retry.popleft() for _ in range(min(room, len(job.retry)))]
-            else:
-                indices = list(range(job.next, min(len(job.blocks), job.next + room)))
-                job.next = indices[-1] + 1
             b = job.blocks
-            handles = self.transport.submit(
-                peer_name, b.src[indices].tolist(), b.dst[indices].tolist(), b.length[indices].tolist()
-            )
+            if job.retry:  # rare: fancy indexing is fine here
+                indices = [job.retry.popleft() for _ in range(min(room, len(job.retry)))]
+                picked = (b.src[indices], b.dst[indices], b.length[indices])
+            else:  # the hot path: slices are views, no index arrays built
+                end = min(len(job.blocks), job.next + room)
+                indices = range(job.next, end)
+                picked = (b.src[job.next : end], b.dst[job.next : end], b.length[job.next : end])
+                job.next = end
+            handles = self.transport.submit(peer_name, *(column.tolist() for column in picked))
             self.blocks_submitted += len(indices)
             for index, handle in zip(indices, handles):
                 if handle == 0:
