@@ -56,6 +56,7 @@ class ChaosSpec:
     layout: KVLayout = KVLayout(layout=Layout.MHA, num_layers=2, num_pages=512, page_size=4, token_bytes=1280, dtype="uint8")
     slots: int = 4
     seed: int = 1
+    client_timeout: float = 30.0  # an engine call the daemon does not answer in time fails that room
 
 
 async def _slot(client: AsyncClient) -> Slot:
@@ -82,7 +83,8 @@ async def _settle(client: AsyncClient, room: int) -> str:
 async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spec: ChaosSpec) -> ChaosReport:
     report = ChaosReport(rooms=spec.rooms)
     rng = random.Random(spec.seed)
-    pre, dec = AsyncClient(prefill_engine, name="chaos-prefill"), AsyncClient(decode_engine, name="chaos-decode")
+    pre = AsyncClient(prefill_engine, timeout=spec.client_timeout, name="chaos-prefill")
+    dec = AsyncClient(decode_engine, timeout=spec.client_timeout, name="chaos-decode")
     await pre.connect()
     await dec.connect()
     try:
@@ -111,29 +113,46 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
                 await client.abort(room, f"chaos: {side} engine gave up")
             return True
 
+        lost: list[str] = []  # why an engine's session with its daemon ended (a call failed)
+
+        async def give_up(counts: Counter, exc: errors.PdxferError) -> None:
+            """The room's pages stay out of use (a write from or into them may still be in
+            flight), and no later room starts: the engine would reconnect and register again."""
+            if lost:
+                counts["lost with the engine session"] += 1
+                return
+            counts[f"error:{exc.code.value}"] += 1
+            lost.append(str(exc))
+            for pool in (src_pages, dst_pages):
+                await pool.close(f"engine session lost: {exc}")
+
         async def prefill_side(room: int, tokens: int, abort: bool) -> None:
             n = pages_for_tokens(tokens, spec.layout.page_size)
-            pages = await src_pages.take(n)
             try:
+                pages = await src_pages.take(n)
                 fill_pages(src_arrays, room, pages)
                 slot = await _slot(pre)
                 pre.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(room, tokens), np.uint8)
                 send = lambda: pre.send(room, pages, tokens, slot, aux_bytes=AUX_RECORD_BYTES)  # noqa: E731
                 if await begin(pre, send, slot, report.prefill, room, abort, "prefill"):
                     report.prefill[await _settle(pre, room)] += 1
-            finally:
-                await src_pages.give(pages)
+            except errors.PdxferError as exc:  # its daemon went away, or did not answer
+                await give_up(report.prefill, exc)
+                return
+            await src_pages.give(pages)
 
         async def decode_side(room: int, tokens: int, abort: bool) -> None:
             n_src = pages_for_tokens(tokens, spec.layout.page_size)
-            pages = await dst_pages.take(n_src)
             try:
+                pages = await dst_pages.take(n_src)
                 slot = await _slot(dec)
                 expect = lambda: dec.expect(room, bootstrap, pages, slot)  # noqa: E731
                 if await begin(dec, expect, slot, report.decode, room, abort, "decode"):
                     report.decode[await _settle_and_check(room, tokens, slot, pages)] += 1
-            finally:
-                await dst_pages.give(pages)  # wait() returned: Success or fenced, so no write can land
+            except errors.PdxferError as exc:
+                await give_up(report.decode, exc)
+                return
+            await dst_pages.give(pages)  # wait() returned: Success or fenced, so no write can land
 
         async def _settle_and_check(room: int, tokens: int, slot: Slot, pages: np.ndarray):
             status = await dec.wait(room, timeout=120)

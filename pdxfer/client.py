@@ -386,9 +386,21 @@ class AsyncClient(_Requests):
         self._status: dict[int, RoomStatus] = {}
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._sock = Dealer(zmq.Context.instance(), self.endpoint, b"", MAX_REPLY_BYTES, 100_000)
-        self._sock.start(asyncio.get_running_loop(), self._read)
+        self._sock.start(asyncio.get_running_loop(), self._read, self._connection)
         self.welcome = await self._call(self._hello())
         return self.welcome
+
+    def _connection(self, event: str) -> None:
+        """A daemon that went away forgets this engine: fail what waits on it now
+        rather than at each call's timeout."""
+        if event != "disconnected":
+            return
+        waiting = [*self._pending.values(), *(f for fs in self._waiters.values() for f in fs)]
+        self._pending.clear()
+        self._waiters.clear()
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(errors.DaemonGone(f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"))
 
     async def close(self) -> None:
         if self._sock is not None:

@@ -102,6 +102,13 @@ class PeerUnreachable(PdxferError):
     side = Side.PEER
 
 
+class DaemonGone(PeerUnreachable):
+    """The engine's own daemon closed its connection (it died or restarted): the rooms
+    in flight on it are lost. Connect and register the pools again."""
+
+    side = Side.LOCAL
+
+
 class Unsupported(PdxferError):
     code = ErrorCode.UNSUPPORTED
 

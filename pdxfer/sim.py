@@ -93,7 +93,7 @@ def fault_of(index: int, faults: dict[str, int]) -> str:
 
 class PageAllocator:
     """Free pages handed out scattered, in short runs of consecutive pages (as real
-    allocators produce them); waits when the pool is short."""
+    allocators produce them); waits when the pool is short, until closed."""
 
     RUN = 4
 
@@ -102,16 +102,25 @@ class PageAllocator:
         order = (runs[:, None] * self.RUN + np.arange(self.RUN)).ravel()
         self._free = order.tolist() + list(range(order.size, num_pages))
         self._cond = asyncio.Condition()
+        self._closed = ""
 
     async def take(self, n: int) -> np.ndarray:
         async with self._cond:
-            await self._cond.wait_for(lambda: len(self._free) >= n)
+            await self._cond.wait_for(lambda: self._closed or len(self._free) >= n)
+            if self._closed:
+                raise errors.PdxferError(f"page pool closed: {self._closed}")
             pages, self._free = self._free[:n], self._free[n:]
         return np.asarray(pages, dtype=np.int32)
 
     async def give(self, pages: np.ndarray) -> None:
         async with self._cond:
             self._free.extend(pages.tolist())
+            self._cond.notify_all()
+
+    async def close(self, why: str) -> None:
+        """Wake every waiter with an error (pages given up for lost never come back)."""
+        async with self._cond:
+            self._closed = why
             self._cond.notify_all()
 
 

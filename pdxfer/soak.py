@@ -3,9 +3,10 @@ rare corruptions the test suite is too short to see.
 
 Each round runs the chaos engines (random aborts on both sides, stalls, 4 aux slots)
 against a prefill daemon whose transport delays completions, replays late aux
-writes into reused slots and fails a few writes. Between rounds the decode daemon
-is killed (-9) and restarted under a new incarnation, or the prefill daemon is
-frozen (SIGSTOP) past the heartbeat bound and thawed. Every round prints its rooms,
+writes into reused slots and fails a few writes. In the middle of two rounds out of
+three, the decode daemon is killed (-9) and restarted under a new incarnation, or
+the prefill daemon is frozen (SIGSTOP), sometimes past the heartbeat bound, then
+thawed. Every round prints its rooms,
 failures by reason, corruptions (must stay 0) and both daemons' resident memory.
 """
 
@@ -58,20 +59,26 @@ class Soak:
         return start_daemon(role, self.runtime, *flags, stderr=log)
 
     def _disturb(self, round_no: int) -> str:
-        """A daemon-level fault between rounds."""
+        """A daemon-level fault, in the middle of a round (runs in a worker thread)."""
         what = round_no % 3
         if what == 1:
             self.decode.proc.kill()
             self.decode.proc.wait()
             self.decode = self._start("decode")
-            return "decode daemon killed (-9) and restarted"
+            return "decode daemon killed (-9) mid-round and restarted"
         if what == 2:
-            pause = self.rng.uniform(0.5, 3.5)  # heartbeat bound is 2 s: some freezes are deaths
+            pause = self.rng.uniform(0.5, 3.5)  # the heartbeat bound is 2 s: some freezes are deaths
             os.kill(self.prefill.pid, signal.SIGSTOP)
             time.sleep(pause)
             os.kill(self.prefill.pid, signal.SIGCONT)
-            return f"prefill daemon frozen {pause:.1f}s"
+            return f"prefill daemon frozen {pause:.1f}s mid-round"
         return "none"
+
+    async def _round(self, round_no: int, spec: ChaosSpec) -> tuple[object, str]:
+        rounds = asyncio.create_task(run_chaos(self.prefill.engine, self.decode.engine, self.prefill.bootstrap, spec))
+        await asyncio.sleep(self.rng.uniform(0.3, 1.0))
+        disturbance = await asyncio.get_running_loop().run_in_executor(None, self._disturb, round_no)
+        return await rounds, disturbance
 
     def run(self) -> int:
         args = self.args
@@ -87,9 +94,8 @@ class Soak:
             round_no = 0
             while time.monotonic() < deadline:
                 round_no += 1
-                disturbance = self._disturb(round_no) if round_no > 1 else "none"
-                spec = ChaosSpec(rooms=args.rooms, in_flight=4, slots=4, abort_rate=0.1, seed=self.rng.randrange(1 << 30))
-                report = asyncio.run(run_chaos(self.prefill.engine, self.decode.engine, self.prefill.bootstrap, spec))
+                spec = ChaosSpec(rooms=args.rooms, in_flight=4, slots=4, abort_rate=0.1, seed=self.rng.randrange(1 << 30), client_timeout=5.0)
+                report, disturbance = asyncio.run(self._round(round_no, spec))
                 rooms += report.rooms
                 corruptions += report.corruptions
                 caught += report.caught_after_success

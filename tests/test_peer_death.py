@@ -17,13 +17,15 @@ The last tests each pin a bug found while writing these (now fixed).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
 import pytest
 import zmq
 
-from pdxfer.client import Client
+from pdxfer import errors
+from pdxfer.client import AsyncClient, Client
 from pdxfer.protocol import (
     PROTOCOL_VERSION,
     Codec,
@@ -37,7 +39,7 @@ from pdxfer.protocol import (
 )
 from pdxfer.wire import Seal
 
-from .conftest import needs_mooncake
+from .conftest import needs_mooncake, small_layout
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, free_port, room_ids, start_room, statuses, wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(90)]
@@ -431,3 +433,24 @@ def test_a_stale_unknown_peer_reply_does_not_fail_a_room_made_after_the_new_hell
         if new is not None:
             new.close()
         cd.close()
+
+
+async def test_an_engine_waiting_on_its_killed_daemon_hears_so_at_once(daemons):
+    """The engine's own daemon dies: wait() and calls in flight raise DaemonGone when
+    the connection drops, not at their (here 60 s) timeouts."""
+    d = daemons("decode", *HB_FLAGS, "--bootstrap-timeout", "60", name="d")
+    cd = AsyncClient(d.engine, timeout=60.0)
+    await cd.connect()
+    try:
+        await cd.create_kv_pool(small_layout())
+        await cd.create_aux_buffer(4, 64)
+        await cd.expect(100, f"127.0.0.1:{free_port()}", pages(0), await cd.alloc_slot())
+        waiting = asyncio.create_task(cd.wait(100, timeout=60))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        killed = kill(d)
+        with pytest.raises(errors.DaemonGone, match="went away"):
+            await waiting
+        assert time.monotonic() - killed < 30  # a liveness bound, far below the 60 s timeout
+    finally:
+        await cd.close()
