@@ -76,6 +76,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         "bytes_moved": float(pump.bytes_done),
         "blocks_submitted": float(pump.blocks_submitted),
         "failed_writes": float(pump.failed_writes),
+        "transport_stalls": float(pump.stalls),
         "transport_resets": float(pump.resets),
         "rooms_succeeded": float(service.outcomes["success"]),
         "rooms_failed": float(service.outcomes["failed"]),

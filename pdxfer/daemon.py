@@ -92,7 +92,7 @@ class Daemon:
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
-        self.pump = TransferPump(self.transport, self._window(), loop)
+        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout)
         self.service = self._make_service()
         # Engines and operators are let in only now that the service exists.
         self.engine_endpoint = self._engine.start(loop, self._on_engine)

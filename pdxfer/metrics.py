@@ -109,6 +109,7 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_bytes_received", "Bytes of rooms this (decode) daemon verified and delivered", value=service.bytes_received)
         yield CounterMetricFamily("pdxfer_blocks_submitted", "Blocks handed to the transfer engine", value=pump.blocks_submitted)
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
+        yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)
         yield CounterMetricFamily(
             "pdxfer_heartbeat_misses", "Heartbeats sent with no word from the peer since the one before (decode side)",

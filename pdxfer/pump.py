@@ -13,6 +13,13 @@ the pump probes it with a small write; if the probe fails, it drains every peer,
 re-creates the transport (``Transport.reset``) and probes again. A failed block is
 written again (writes are idempotent: same bytes, same place) up to a per-job
 budget; a job that exhausts it fails, and only its room fails.
+
+A session can also wedge: after an over-limit batch this engine sometimes leaves
+every later write to that peer pending, never done nor failed. When no write to a
+peer completes for ``stall_timeout`` seconds while some are in flight, the jobs with
+writes in flight fail as *abandoned* (a wedged write might still land, so their rooms
+fence only by lease), the transport is re-created, and the peer's queued jobs go on
+through the new session.
 """
 
 from __future__ import annotations
@@ -75,17 +82,20 @@ class _Peer:
     suspect: bool = False  # a write failed: probe before submitting more
     probe: int = 0
     credit: int = 0  # completions since the window last grew
+    progress_at: float = 0.0  # monotonic time of its last completion, or of a submission into an empty pipe
 
 
 class TransferPump:
-    def __init__(self, transport: Transport, window: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, transport: Transport, window: int, loop: asyncio.AbstractEventLoop, stall_timeout: float = 5.0) -> None:
         self.transport = transport
         self.window = window
         self.loop = loop
+        self.stall_timeout = stall_timeout
         self.on_reset: Callable[[str], None] = lambda session: None  # runs on the event loop
         self.blocks_submitted = 0
         self.bytes_done = 0
         self.failed_writes = 0
+        self.stalls = 0
         self.resets = 0
         self._inbox: deque[Job] = deque()
         self._wake = threading.Event()
@@ -161,8 +171,12 @@ class TransferPump:
         if self._cancels:
             self._cancels = False
             progressed |= self._drop_cancelled()
+        now = time.monotonic()
         for peer_name, peer in self._peers.items():
             progressed |= self._drain(peer)
+            if peer.in_flight and now - peer.progress_at > self.stall_timeout and not self._reset_wanted:
+                self._stalled(peer_name, peer)
+                progressed = True
             if peer.suspect and not peer.in_flight and not self._reset_wanted:
                 self._check(peer_name, peer)
                 progressed = True
@@ -197,6 +211,8 @@ class TransferPump:
                 indices = range(job.next, end)
                 picked = (b.src[job.next : end], b.dst[job.next : end], b.length[job.next : end])
                 job.next = end
+            if not peer.in_flight:
+                peer.progress_at = now
             handles = self.transport.submit(peer_name, *(column.tolist() for column in picked))
             self.blocks_submitted += len(indices)
             for index, handle in zip(indices, handles):
@@ -228,6 +244,8 @@ class TransferPump:
                     peer.window = min(self.window, peer.window + 1)
             if job._finished() and not job.queued:
                 self._finished.append(job)
+        if progressed:
+            peer.progress_at = time.monotonic()
         return progressed
 
     def _write_failed(self, peer_name: str, peer: _Peer, job: Job, index: int, how: str) -> None:
@@ -250,6 +268,23 @@ class TransferPump:
                 job.queued = True
             return
         job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
+
+    def _stalled(self, peer_name: str, peer: _Peer) -> None:
+        """No write to the peer completed for stall_timeout: give up on those in flight
+        and re-create the transport. Jobs still queued go on after the reset."""
+        self.stalls += 1
+        reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self.stall_timeout:g}s"
+        log.warning("%s; failing the jobs they belong to and re-creating the transport", reason)
+        for job in {id(j): j for _, j, _ in peer.in_flight}.values():
+            job.error = job.error or reason
+            job.abandoned = True
+            job.in_flight = 0
+            job.queued = False
+            self._finished.append(job)
+        peer.in_flight.clear()
+        peer.jobs = deque(job for job in peer.jobs if not job.abandoned)
+        peer.suspect = True
+        self._reset_wanted = peer_name
 
     def _check(self, peer_name: str, peer: _Peer) -> None:
         """A suspect peer with nothing in flight: is its session still usable?"""

@@ -49,7 +49,8 @@ def frame(info: InfoReply, rooms: list[RoomInfo], peers: list[PeerInfo], rate: d
         + (f"(last {tables.duration(over)})" if over is not None else "(average since start)"),
         f"{'totals':<11}{tables.size(c.get('bytes_moved', 0))} moved in {int(c.get('blocks_submitted', 0))} blocks; "
         f"{int(c.get('rooms_succeeded', 0))} rooms succeeded, {int(c.get('rooms_failed', 0))} failed; "
-        f"{int(c.get('failed_writes', 0))} failed writes, {int(c.get('transport_resets', 0))} transport resets",
+        f"{int(c.get('failed_writes', 0))} failed writes, {int(c.get('transport_stalls', 0))} stalls, "
+        f"{int(c.get('transport_resets', 0))} transport resets",
         _counts("queues", info.queues),
         _counts("failures", dict(sorted(info.failures.items()))) if info.failures else f"{'failures':<11}none",
         "",

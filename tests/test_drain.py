@@ -30,7 +30,7 @@ def test_sigterm_drains_rooms_in_flight_then_exits(daemons, hold_s, drain_s, exp
     # The prefill's transport holds every completion up to hold_s: rooms stay in flight.
     prefill = daemons(
         "prefill", "--drain-timeout", str(drain_s), "--transfer-timeout", "60",
-        "--inject-faults", f"delay=1.0:{hold_s * 1000:g},seed=3",
+        "--inject-faults", f"delay=1.0:{hold_s * 1000:g},seed=3", "--stall-timeout", "60",
     )
     # A writer that leaves mid-write is released by its lease: transfer timeout + fence timeout.
     decode = daemons("decode", "--transfer-timeout", "3", "--fence-timeout", "1")

@@ -116,7 +116,7 @@ def scene(tmp_path_factory):
         prefill = start("prefill", "prefill", "--admin-writes")
         # Many heartbeat misses: the link to nobody must stay 'connecting' rather than be declared dead.
         decode = start("decode", "decode", "--heartbeat-misses", "100", "--transfer-timeout", "60")
-        slow = start("prefill", "slow", "--inject-faults", "delay=1.0:20000", "--transfer-timeout", "60")
+        slow = start("prefill", "slow", "--inject-faults", "delay=1.0:20000", "--transfer-timeout", "60", "--stall-timeout", "60")
         other = start("prefill", "other")
         s = Scene(runtime_dir, prefill, decode, slow, other, client(prefill), client(decode), client(slow),
                   client(other, small_layout(page_size=8)), f"127.0.0.1:{free_port()}")

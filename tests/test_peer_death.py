@@ -45,7 +45,7 @@ from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, free_port, room_
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(90)]
 
 DELAY_MS = 4000
-HOLD = ("--inject-faults", f"delay=1.0:{DELAY_MS},seed=3")
+HOLD = ("--inject-faults", f"delay=1.0:{DELAY_MS},seed=3", "--stall-timeout", "60")  # held writes are not a stall
 T = RoomState.TRANSFERRING
 S = RoomState.SUCCESS
 F = RoomState.FAILED

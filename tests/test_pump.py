@@ -33,7 +33,8 @@ class FakeTransport:
     * "fail": FAILED on every poll that settles it (it fails each time it is written);
     * "fail1": FAILED the first time it is written, DONE after;
     * "refuse": submit() returns handle 0 for it;
-    * "hold": PENDING until the test calls release(src), then DONE;
+    * "hold": PENDING until the test calls release(src), then DONE (never, if it
+      is not released: a wedged session);
     * "raise": poll() raises, as a broken transport would.
 
     It also checks the pump's side of the contract as it runs: never more than
@@ -52,6 +53,7 @@ class FakeTransport:
         self.submitted: list[tuple[str, int]] = []  # (peer, src), in submission order
         self.settled: dict[int, Status] = {}  # src -> how it ended
         self.polls = 0
+        self.resets = 0
         self.violations: list[str] = []
         self._ids = itertools.count(1)
 
@@ -68,6 +70,17 @@ class FakeTransport:
 
     def close(self) -> None:
         pass
+
+    def probe(self, peer: str, dst: int) -> bool:
+        return True
+
+    def reset(self) -> str:
+        """A new engine: writes held by the old one are out of the pump's hands."""
+        with self.lock:
+            self.resets += 1
+            self.handles.clear()
+            self.in_flight.clear()
+            return f"fake:{self.resets}"
 
     def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
         with self.lock:
@@ -152,11 +165,11 @@ async def rounds(fake: FakeTransport, n: int = 5) -> None:
 
 
 class Harness:
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, stall_timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self.fake = FakeTransport(window)
-        self.pump = TransferPump(self.fake, window, self.loop)
+        self.pump = TransferPump(self.fake, window, self.loop, stall_timeout)
         self.calls: dict[int, int] = defaultdict(int)  # job id -> on_done calls
         self.order: list[int] = []  # job ids in completion order
         self.problems: list[str] = []  # checks made inside on_done
@@ -203,8 +216,8 @@ class Harness:
 async def make_harness():
     made: list[Harness] = []
 
-    def make(window: int = 4) -> Harness:
-        h = Harness(window)
+    def make(window: int = 4, stall_timeout: float = 60.0) -> Harness:
+        h = Harness(window, stall_timeout)
         made.append(h)
         return h
 
@@ -316,6 +329,25 @@ async def test_a_block_that_keeps_failing_fails_the_job_after_its_retry_budget(m
     assert h.fake.sent_to("p").count(1001) == RETRY_BUDGET + 1
     # The next job on that peer is not held back by the failure.
     assert (await asyncio.wait_for(after_done, WAIT)).ok
+    h.check()
+
+
+async def test_a_stalled_session_abandons_the_jobs_in_flight_and_is_recreated(make_harness):
+    h = make_harness(window=2, stall_timeout=0.2)
+    stuck, stuck_done = h.job("p", 3, b0="hold", b1="hold", b2="hold")  # never released
+    queued, queued_done = h.job("p", 2)
+    elsewhere, elsewhere_done = h.job("q", 1)
+    h.pump.start()
+    for job in (stuck, queued, elsewhere):
+        h.pump.submit(job)
+    assert (await asyncio.wait_for(elsewhere_done, WAIT)).ok
+    await asyncio.wait_for(stuck_done, WAIT)
+    # Its two writes in flight may still land some day: the room must fence by lease.
+    assert stuck.abandoned and "stalled: none of 2 writes completed in 0.2s" in stuck.error
+    assert h.fake.sent_to("p")[:2] == [1000, 1001] and 1002 not in h.fake.sent_to("p")
+    # The job queued behind it goes through the re-created session.
+    assert (await asyncio.wait_for(queued_done, WAIT)).ok and not queued.abandoned
+    assert h.fake.resets == 1 and h.pump.stalls == 1 and h.pump.resets == 1
     h.check()
 
 

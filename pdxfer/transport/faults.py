@@ -219,14 +219,15 @@ class FaultInjectingTransport:
             self._due.clear()
 
     def _break(self, peer: str, src: int, dst: int, n: int) -> None:
-        """Push a batch far over the engine's per-peer queue through its batch API.
+        """Push a batch far over the engine's per-peer queue through its batch API, and
+        return while it is still queued, so that pdxfer's next writes meet a full queue.
         It repeats one real block, so whatever of it lands late writes the right bytes."""
         engine = getattr(self.inner, "_engine", None)
         if engine is None:
             return
         count = 4096
         batch = engine.batch_transfer_async_write(peer, [src] * count, [dst] * count, [n] * count)
-        if batch:
-            engine.get_batch_transfer_status([batch])
+        if batch:  # reaped elsewhere: the status call blocks until the whole batch is done
+            threading.Thread(target=engine.get_batch_transfer_status, args=([batch],), name="pdxfer-faults-break", daemon=True).start()
         self.injected["break"] += 1
         log.warning("TESTING ONLY: pushed an over-limit batch of %d writes to %s", count, peer)
