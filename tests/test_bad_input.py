@@ -357,10 +357,10 @@ SAME_POOL = object()  # stands for the handle of the pool the live engine regist
 
 
 def absent_shm_names():
-    """Names a shm handle may carry that name nothing under /dev/shm. '.' and '..' are
-    left out here: see test_a_shm_name_naming_a_directory_is_bad_input."""
-    return st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True).filter(
-        lambda n: n not in (".", "..") and not os.path.exists(os.path.join("/dev/shm", n))
+    """Names a shm handle may carry (the protocol's pattern: no leading dot) that name
+    nothing under /dev/shm. '.' and '..': see test_a_shm_name_naming_a_directory_is_bad_input."""
+    return st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,39}", fullmatch=True).filter(
+        lambda n: not os.path.exists(os.path.join("/dev/shm", n))
     )
 
 
