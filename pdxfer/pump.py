@@ -43,7 +43,7 @@ log = logging.getLogger("pdxfer.pump")
 SPIN_BELOW = 16
 SPIN_SECONDS = 0.0001  # a small write completes in ~50 us
 IDLE_POLL_MAX = 0.0002
-BULK_POLL_MAX = 0.001
+BULK_POLL_MAX = 0.0002
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 
 
