@@ -63,7 +63,7 @@ _ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls i
 def raise_for(reply: Message) -> Message:
     """Return a successful reply; raise the typed error an error reply stands for."""
     if isinstance(reply, Error):
-        raise _ERRORS.get(reply.code, errors.PdxferError)(reply.message, room=reply.room)
+        raise _ERRORS.get(reply.code, errors.PdxferError)(reply.message, room=reply.room, code=reply.code)
     if isinstance(reply, Busy):
         raise errors.Busy(reply.reason, retry_after_ms=reply.retry_after_ms)
     return reply

@@ -11,7 +11,9 @@ import typing
 import msgspec
 import pytest
 
+from pdxfer import errors
 from pdxfer import protocol as p
+from pdxfer.client import raise_for
 
 SCHEMA_PATH = pathlib.Path(__file__).resolve().parent.parent / "proto" / "schema.json"
 
@@ -264,3 +266,14 @@ def test_compat_hash_and_diff_notice_each_field(name):
     assert p.compat_hash(theirs) != p.compat_hash(COMPAT)
     (diff,) = p.compat_diff(COMPAT, theirs)
     assert diff == f"{name}: ours={getattr(COMPAT, name)!r} theirs={CHANGED[name]!r}"
+
+
+@pytest.mark.parametrize("code", list(p.ErrorCode))
+def test_an_error_reply_raises_with_its_own_code(code):
+    """Codes with a dedicated exception type raise that type; every other code still
+    reaches the engine as itself, not as 'internal'."""
+    with pytest.raises(errors.PdxferError) as caught:
+        raise_for(p.Error(req=1, code=code, message="why", room=7))
+    assert caught.value.code is code and caught.value.room == 7 and str(caught.value) == "why"
+    dedicated = [cls for cls in errors.PdxferError.__subclasses__() if cls.code is code and cls is not errors.Busy]
+    assert type(caught.value) is (dedicated[0] if dedicated else errors.PdxferError)
