@@ -19,7 +19,8 @@ every later write to that peer pending, never done nor failed. When no write to 
 peer completes for ``stall_timeout`` seconds while some are in flight, the jobs with
 writes in flight fail as *abandoned* (a wedged write might still land, so their rooms
 fence only by lease), the transport is re-created, and the peer's queued jobs go on
-through the new session.
+through the new session. A big block gets longer: stall_timeout plus its size at
+STALL_MIN_RATE.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SPIN_SECONDS = 0.0001  # a small write completes in ~50 us
 IDLE_POLL_MAX = 0.0002
 BULK_POLL_MAX = 0.0002
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
+STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (big blocks get longer)
 
 
 @dataclass(eq=False)
@@ -174,7 +176,7 @@ class TransferPump:
         now = time.monotonic()
         for peer_name, peer in self._peers.items():
             progressed |= self._drain(peer)
-            if peer.in_flight and now - peer.progress_at > self.stall_timeout and not self._reset_wanted:
+            if peer.in_flight and now - peer.progress_at > self._stall_allowance(peer) and not self._reset_wanted:
                 self._stalled(peer_name, peer)
                 progressed = True
             if peer.suspect and not peer.in_flight and not self._reset_wanted:
@@ -269,11 +271,15 @@ class TransferPump:
             return
         job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
 
+    def _stall_allowance(self, peer: _Peer) -> float:
+        _, job, index = peer.in_flight[0]
+        return self.stall_timeout + int(job.blocks.length[index]) / STALL_MIN_RATE
+
     def _stalled(self, peer_name: str, peer: _Peer) -> None:
         """No write to the peer completed for stall_timeout: give up on those in flight
         and re-create the transport. Jobs still queued go on after the reset."""
         self.stalls += 1
-        reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self.stall_timeout:g}s"
+        reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self._stall_allowance(peer):.3g}s"
         log.warning("%s; failing the jobs they belong to and re-creating the transport", reason)
         for job in {id(j): j for _, j, _ in peer.in_flight}.values():
             job.error = job.error or reason

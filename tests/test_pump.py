@@ -351,6 +351,23 @@ async def test_a_stalled_session_abandons_the_jobs_in_flight_and_is_recreated(ma
     h.check()
 
 
+async def test_a_big_write_gets_longer_before_it_counts_as_a_stall(make_harness):
+    h = make_harness(window=2, stall_timeout=0.05)
+    big, big_done = h.job("p", 1, b0="hold")
+    big.blocks = Blocks.of([1000], [501_000], [1 << 30])  # 1 GiB: ~21 s more at STALL_MIN_RATE
+    small, small_done = h.job("q", 1, b0="hold")
+    h.pump.start()
+    h.pump.submit(big)
+    h.pump.submit(small)
+    await asyncio.wait_for(small_done, WAIT)  # a 64-byte write held past 0.05 s is a stall
+    assert small.abandoned and h.pump.stalls == 1
+    await rounds(h.fake, 50)
+    assert not big_done.done() and not big.abandoned
+    h.fake.release(1000)
+    assert (await asyncio.wait_for(big_done, WAIT)).ok
+    h.check()
+
+
 async def test_cancel_stops_submission_but_on_done_waits_for_in_flight(make_harness):
     h = make_harness(window=2)
     job, done = h.job("p", 6, **{f"b{i}": "hold" for i in range(6)})
