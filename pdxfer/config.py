@@ -75,7 +75,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     transfer_timeout: Annotated[float, _doc("seconds a room may stay Transferring", gt=0)] = 30.0
     fence_timeout: Annotated[float, _doc("seconds a failed room's slot stays quarantined when its writer never confirms", gt=0)] = 10.0
     stall_timeout: Annotated[
-        float, _doc("seconds writes to a peer may all stay pending before its transfer session is declared stalled and re-created", gt=0)
+        float, _doc("seconds (plus the oldest write's size at 50 MB/s) writes to a peer may all stay pending before its transfer session is declared stalled and re-created", gt=0)
     ] = 5.0
     retention: Annotated[float, _doc("seconds a finished room the engine never released is kept", gt=0)] = 300.0
     heartbeat_interval: Annotated[float, _doc("seconds between heartbeats on every peer link", gt=0)] = 1.0
