@@ -113,16 +113,14 @@ async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spe
                 await client.abort(room, f"chaos: {side} engine gave up")
             return True
 
-        lost: list[str] = []  # why an engine's session with its daemon ended (a call failed)
-
         async def give_up(counts: Counter, exc: errors.PdxferError) -> None:
             """The room's pages stay out of use (a write from or into them may still be in
-            flight), and no later room starts: the engine would reconnect and register again."""
-            if lost:
+            flight), and no later room starts (the pools close): the engine would reconnect
+            and register again."""
+            if src_pages.closed:  # the session was lost already
                 counts["lost with the engine session"] += 1
                 return
             counts[f"error:{exc.code.value}"] += 1
-            lost.append(str(exc))
             for pool in (src_pages, dst_pages):
                 await pool.close(f"engine session lost: {exc}")
 

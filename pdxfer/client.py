@@ -393,14 +393,17 @@ class AsyncClient(_Requests):
     def _connection(self, event: str) -> None:
         """A daemon that went away forgets this engine: fail what waits on it now
         rather than at each call's timeout."""
-        if event != "disconnected":
-            return
+        if event == "disconnected":
+            self._fail_waiting(errors.DaemonGone, f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again")
+
+    def _fail_waiting(self, error: type[errors.PdxferError], message: str) -> None:
+        """Every call awaiting a reply and every wait() raise ``error(message)``."""
         waiting = [*self._pending.values(), *(f for fs in self._waiters.values() for f in fs)]
         self._pending.clear()
         self._waiters.clear()
         for fut in waiting:
             if not fut.done():
-                fut.set_exception(errors.DaemonGone(f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"))
+                fut.set_exception(error(message))
 
     async def close(self) -> None:
         if self._sock is not None:
@@ -408,9 +411,7 @@ class AsyncClient(_Requests):
                 self._sock.send(raw)
             self._sock.close()
             self._sock = None
-            for fut in [*self._pending.values(), *(f for fs in self._waiters.values() for f in fs)]:
-                if not fut.done():
-                    fut.set_exception(errors.PdxferError("engine client closed"))
+            self._fail_waiting(errors.PdxferError, "engine client closed")
         self._close_pools()
 
     async def __aenter__(self) -> "AsyncClient":

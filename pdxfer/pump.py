@@ -176,7 +176,7 @@ class TransferPump:
         now = time.monotonic()
         for peer_name, peer in self._peers.items():
             progressed |= self._drain(peer)
-            if peer.in_flight and now - peer.progress_at > self._stall_allowance(peer) and not self._reset_wanted:
+            if peer.in_flight and self._is_stalled(peer, now) and not self._reset_wanted:
                 self._stalled(peer_name, peer)
                 progressed = True
             if peer.suspect and not peer.in_flight and not self._reset_wanted:
@@ -275,18 +275,17 @@ class TransferPump:
         _, job, index = peer.in_flight[0]
         return self.stall_timeout + int(job.blocks.length[index]) / STALL_MIN_RATE
 
+    def _is_stalled(self, peer: _Peer, now: float) -> bool:
+        idle = now - peer.progress_at
+        return idle > self.stall_timeout and idle > self._stall_allowance(peer)  # the cheap test first: this runs every round
+
     def _stalled(self, peer_name: str, peer: _Peer) -> None:
         """No write to the peer completed for stall_timeout: give up on those in flight
         and re-create the transport. Jobs still queued go on after the reset."""
         self.stalls += 1
         reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self._stall_allowance(peer):.3g}s"
         log.warning("%s; failing the jobs they belong to and re-creating the transport", reason)
-        for job in {id(j): j for _, j, _ in peer.in_flight}.values():
-            job.error = job.error or reason
-            job.abandoned = True
-            job.in_flight = 0
-            job.queued = False
-            self._finished.append(job)
+        self._abandon({id(j): j for _, j, _ in peer.in_flight}.values(), reason)
         peer.in_flight.clear()
         peer.jobs = deque(job for job in peer.jobs if not job.abandoned)
         peer.suspect = True
@@ -350,12 +349,18 @@ class TransferPump:
             peer.suspect = True
             jobs = {id(j): j for j in peer.jobs}
             jobs.update({id(j): j for _, j, _ in peer.in_flight})
-            for job in jobs.values():
-                job.error = job.error or reason
-                job.abandoned = True
-                self._finished.append(job)
+            self._abandon(jobs.values(), reason)
             peer.jobs.clear()
             peer.in_flight.clear()
+
+    def _abandon(self, jobs, reason: str) -> None:
+        """Fail jobs whose writes may still land: their rooms fence only by lease."""
+        for job in jobs:
+            job.error = job.error or reason
+            job.abandoned = True
+            job.in_flight = 0
+            job.queued = False
+            self._finished.append(job)
 
 
 def _deliver(jobs: list[Job]) -> None:

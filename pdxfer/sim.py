@@ -117,6 +117,10 @@ class PageAllocator:
             self._free.extend(pages.tolist())
             self._cond.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return bool(self._closed)
+
     async def close(self, why: str) -> None:
         """Wake every waiter with an error (pages given up for lost never come back)."""
         async with self._cond:
