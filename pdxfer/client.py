@@ -60,6 +60,11 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024
 _ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls is not errors.Busy}
 
 
+def _resolve(fut: asyncio.Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
 def raise_for(reply: Message) -> Message:
     """Return a successful reply; raise the typed error an error reply stands for."""
     if isinstance(reply, Error):
@@ -276,13 +281,17 @@ class Client(_Requests):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _take(self, raw: bytes):
-        """Decode one incoming message; pushed room statuses are recorded."""
-        msg = self.codec.engine_replies.decode(raw)
-        if isinstance(msg, RoomStatus) and msg.req == 0:
-            self._status[msg.room] = msg
-            return None
-        return msg
+    def _take(self, frames: list[bytes]) -> list[Message]:
+        """Decode one incoming ZMQ message (one or more messages): pushed room
+        statuses are recorded, replies returned."""
+        replies = []
+        for raw in frames:
+            msg = self.codec.engine_replies.decode(raw)
+            if isinstance(msg, RoomStatus) and msg.req == 0:
+                self._status[msg.room] = msg
+            else:
+                replies.append(msg)
+        return replies
 
     def _call(self, msg: Message):
         self._sock.send(self.codec.encode(msg))
@@ -291,13 +300,13 @@ class Client(_Requests):
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s")
-            reply = self._take(self._sock.recv())
-            if reply is not None and getattr(reply, "req", None) == msg.req:
-                return raise_for(reply)
+            mine = [reply for reply in self._take(self._sock.recv_multipart()) if getattr(reply, "req", None) == msg.req]
+            if mine:
+                return raise_for(mine[0])
 
     def _drain(self, timeout_ms: int = 0) -> None:
         while self._sock.poll(timeout_ms):
-            self._take(self._sock.recv())
+            self._take(self._sock.recv_multipart())
             timeout_ms = 0
 
     def create_kv_pool(self, layout: KVLayout) -> KVPool:
@@ -386,7 +395,7 @@ class AsyncClient(_Requests):
         self._status: dict[int, RoomStatus] = {}
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._sock = Dealer(zmq.Context.instance(), self.endpoint, b"", MAX_REPLY_BYTES, 100_000)
-        self._sock.start(asyncio.get_running_loop(), self._read, self._connection)
+        self._sock.start(asyncio.get_running_loop(), self._read, self._connection, on_dropped=self._dropped)
         self.welcome = await self._call(self._hello())
         return self.welcome
 
@@ -408,7 +417,7 @@ class AsyncClient(_Requests):
     async def close(self) -> None:
         if self._sock is not None:
             for raw in self._spares_back():
-                self._sock.send(raw)
+                self._sock.post(raw)
             self._sock.close()
             self._sock = None
             self._fail_waiting(errors.PdxferError, "engine client closed")
@@ -422,30 +431,39 @@ class AsyncClient(_Requests):
         await self.close()
 
     def _read(self, frames: list[bytes]) -> None:
-        msg = self.codec.engine_replies.decode(frames[-1])
-        if isinstance(msg, RoomStatus) and msg.req == 0:
-            self._status[msg.room] = msg
-            if settled(msg):
-                for fut in self._waiters.pop(msg.room, ()):
-                    if not fut.done():
-                        fut.set_result(msg)
-            return
-        fut = self._pending.pop(getattr(msg, "req", 0), None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        for raw in frames:
+            msg = self.codec.engine_replies.decode(raw)
+            if isinstance(msg, RoomStatus) and msg.req == 0:
+                self._status[msg.room] = msg
+                if settled(msg):
+                    for fut in self._waiters.pop(msg.room, ()):
+                        _resolve(fut, msg)
+                continue
+            fut = self._pending.pop(getattr(msg, "req", 0), None)
+            if fut is not None:
+                _resolve(fut, msg)
+
+    def _dropped(self, to, payloads: list[bytes]) -> None:
+        """Requests the socket could not queue (its queue to the daemon is full)."""
+        for raw in payloads:
+            fut = self._pending.pop(self.codec.engine_requests.decode(raw).req, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(errors.Busy(f"the queue to the daemon at {self.endpoint} is full", retry_after_ms=10))
 
     async def _call(self, msg: Message):
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending[msg.req] = fut
-        if not self._sock.send(self.codec.encode(msg)):
-            self._pending.pop(msg.req, None)
-            raise errors.Busy(f"the queue to the daemon at {self.endpoint} is full", retry_after_ms=10)
+        self._sock.post(self.codec.encode(msg))
+        # A timer, not asyncio.wait_for: that costs a second future and a task switch per call.
+        timer = loop.call_later(self.timeout, _resolve, fut, None)
         try:
-            reply = await asyncio.wait_for(fut, self.timeout)
-        except asyncio.TimeoutError:
-            raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s") from None
+            reply = await fut
         finally:
+            timer.cancel()
             self._pending.pop(msg.req, None)
+        if reply is None:
+            raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s")
         return raise_for(reply)
 
     async def create_kv_pool(self, layout: KVLayout) -> KVPool:
@@ -495,25 +513,27 @@ class AsyncClient(_Requests):
             return known
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
-        fut = loop.create_future()
-        self._waiters.setdefault(room, []).append(fut)
-        try:
-            while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise errors.Timeout(f"room {room} did not settle in time", room=room)
-                done, _ = await asyncio.wait({fut}, timeout=min(left, WAIT_POLL_SECONDS))
-                if done:
-                    return fut.result()
-                status = await self._call(self._poll(room))  # raises for a room the daemon never had
-                if settled(status):
-                    return status
-        finally:
-            waiters = self._waiters.get(room)
-            if waiters and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._waiters[room]
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise errors.Timeout(f"room {room} did not settle in time", room=room)
+            fut = loop.create_future()  # the settled status, or None when it is time to ask
+            self._waiters.setdefault(room, []).append(fut)
+            timer = loop.call_later(min(left, WAIT_POLL_SECONDS), _resolve, fut, None)
+            try:
+                status = await fut
+            finally:
+                timer.cancel()
+                waiters = self._waiters.get(room)
+                if waiters and fut in waiters:
+                    waiters.remove(fut)
+                    if not waiters:
+                        del self._waiters[room]
+            if status is not None:
+                return status
+            status = await self._call(self._poll(room))  # raises for a room the daemon never had
+            if settled(status):
+                return status
 
     async def abort(self, room: int, reason: str = "aborted by engine") -> None:
         await self._call(self._abort(room, reason))
@@ -523,5 +543,5 @@ class AsyncClient(_Requests):
         if wait:
             await self._call(msg)
         else:
-            self._sock.send(self.codec.encode(msg))
+            self._sock.post(self.codec.encode(msg))
         self._status.pop(room, None)

@@ -34,7 +34,7 @@ from .registry import DaemonRecord, Registry
 from .protocol import Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Transport
-from .wire import Dealer, Router, Seal, Unauthenticated
+from .wire import MAX_BATCH, Dealer, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
 
@@ -87,7 +87,7 @@ class Daemon:
                 self.session = await loop.run_in_executor(None, self.transport.start)
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = Router(self._ctx, f"tcp://{cfg.host}:{cfg.bootstrap_port}", cfg.max_message_bytes, cfg.engine_queue)
-                bound = self._bootstrap.start(loop, self._on_bootstrap)
+                bound = self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
@@ -96,7 +96,7 @@ class Daemon:
         self.service = self._make_service()
         # Engines and operators are let in only now that the service exists.
         self.engine_endpoint = self._engine.start(loop, self._on_engine)
-        self.admin_endpoint = self._admin.start(loop, self._on_admin)
+        self.admin_endpoint = self._admin.start(loop, self._on_admin, self._envelope)
         self.pump.on_reset = self._transport_reset
         self.pump.start()
         self.metrics = Metrics(self)
@@ -269,21 +269,28 @@ class Daemon:
                 await asyncio.sleep(0.1)
 
     def _on_engine(self, identity: bytes, frames: list[bytes]) -> None:
-        reply = self.service.on_engine(identity, frames[-1] if frames else b"")
-        if reply is None:
+        if not 1 <= len(frames) <= MAX_BATCH:
+            self._send_engine(identity, Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"an engine message carries 1 to {MAX_BATCH} frames, not {len(frames)}"))
             return
-        if isinstance(reply, Message):
-            self._engine.send(identity, self.codec.encode(reply))
-            return
+        for raw in frames:
+            reply = self.service.on_engine(identity, raw)
+            if reply is None:
+                continue
+            if isinstance(reply, Message):
+                self._send_engine(identity, reply)
+            else:
+                self._oneshot(self._reply_later(identity, reply))
 
-        async def finish() -> None:  # a registration: it maps and registers memory off the loop
-            self._engine.send(identity, self.codec.encode(await reply))
+    async def _reply_later(self, identity: bytes, reply: Awaitable[Message]) -> None:
+        """A registration's reply: it maps and registers memory off the loop."""
+        self._send_engine(identity, await reply)
 
-        self._oneshot(finish())
+    def _envelope(self, payloads: list[bytes]) -> list[bytes]:
+        return [self.seal.envelope(payloads)]
 
     def _on_bootstrap(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            incarnation, payload = self.seal.open(frames)
+            incarnation, payloads = self.seal.open(frames)
         except Unauthenticated as exc:
             self.service.count_failure("unauthenticated")
             log.warning("refused an unauthenticated bootstrap message: %s", exc)
@@ -292,17 +299,23 @@ class Daemon:
         except BadMessage as exc:
             self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
             return
-        self.service.on_peer(identity, incarnation, payload)
+        for payload in payloads:
+            self.service.on_peer(identity, incarnation, payload)
 
     def _on_admin(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            _, payload = self.seal.open(frames)
-            reply = admin.handle(self, self.codec.admin_requests.decode(payload))
+            _, payloads = self.seal.open(frames)
         except PdxferError as exc:
-            reply = Error(req=0, code=exc.code, message=exc.message)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
-        self._admin.send(identity, *self.seal.seal(self.codec.encode(reply)))
+            self._admin.post(identity, self.codec.encode(Error(req=0, code=exc.code, message=exc.message)))
+            return
+        for payload in payloads:
+            try:
+                reply = admin.handle(self, self.codec.admin_requests.decode(payload))
+            except PdxferError as exc:
+                reply = Error(req=0, code=exc.code, message=exc.message)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
+            self._admin.post(identity, self.codec.encode(reply))
 
     def _observe(self, room, left, now: float) -> None:
         self.metrics.observe(room, left, now)
@@ -329,10 +342,10 @@ class Daemon:
     # --- sending, injected into the services
 
     def _send_engine(self, identity: bytes, message: Message) -> None:
-        self._engine.send(identity, self.codec.encode(message))
+        self._engine.post(identity, self.codec.encode(message))
 
     def _send_bootstrap(self, identity: bytes, message: Message) -> None:
-        self._bootstrap.send(identity, *self.seal.seal(self.codec.encode(message)))
+        self._bootstrap.post(identity, self.codec.encode(message))
 
     def engine_connections(self) -> int:
         return self._engine.connections if self._engine is not None else 0
@@ -368,17 +381,19 @@ class Daemon:
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),
             lambda event: self.service.on_connection(endpoint, event),
+            self._envelope,
         )
         self._links[endpoint] = dealer
 
     def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
         try:
-            incarnation, payload = self.seal.open(frames)
+            incarnation, payloads = self.seal.open(frames)
         except (Unauthenticated, BadMessage) as exc:
             self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
             log.warning("dropped a message from prefill %s: %s", endpoint, exc)
             return
-        self.service.on_link(endpoint, incarnation, payload)
+        for payload in payloads:
+            self.service.on_link(endpoint, incarnation, payload)
 
     def _close_link(self, endpoint: str) -> None:
         dealer = self._links.pop(endpoint, None)
@@ -388,7 +403,7 @@ class Daemon:
     def _send_link(self, endpoint: str, message: Message) -> None:
         dealer = self._links.get(endpoint)
         if dealer is not None:
-            dealer.send(*self.seal.seal(self.codec.encode(message)))
+            dealer.post(self.codec.encode(message))
 
 
 def read_secret(path: str) -> bytes:

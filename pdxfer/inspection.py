@@ -99,15 +99,17 @@ class AdminClient:
     def call(self, kind: type[Message], **fields: Any) -> Message:
         """Send one admin request; return its reply, or raise CommandError."""
         req = next(self._req)
-        self._sock.send_multipart(self.seal.seal(self.codec.encode(kind(req=req, **fields))))
+        self._sock.send_multipart(self.seal.seal([self.codec.encode(kind(req=req, **fields))]))
         while True:
             if not self._sock.poll(int(self.timeout * 1000)):
                 raise CommandError(
                     f"no answer from {self.endpoint} within {self.timeout:g}s: is a pdxfer daemon serving its admin API there? "
                     "(--timeout waits longer)"
                 )
-            reply = self._open(self._sock.recv_multipart())
-            if reply.req in (req, 0):  # anything else answers an earlier, timed-out request
+            # Anything else answers an earlier, timed-out request.
+            mine = [reply for reply in self._open(self._sock.recv_multipart()) if reply.req in (req, 0)]
+            if mine:
+                reply = mine[0]
                 break
         if isinstance(reply, Error):
             hint = ""
@@ -116,10 +118,10 @@ class AdminClient:
             raise CommandError(f"{self.endpoint} refused [{reply.code.value}]: {reply.message}{hint}", EXIT_REFUSED)
         return reply
 
-    def _open(self, frames: list[bytes]) -> Message:
+    def _open(self, frames: list[bytes]) -> list[Message]:
         try:
-            _, payload = self.seal.open(frames)
-            return self.codec.admin_replies.decode(payload)
+            _, payloads = self.seal.open(frames)
+            return [self.codec.admin_replies.decode(payload) for payload in payloads]
         except Unauthenticated:
             raise CommandError(f"the reply from {self.endpoint} is not signed with the secret in the given secret file: another cluster's daemon?", EXIT_REFUSED) from None
         except (BadMessage, msgspec.DecodeError, msgspec.ValidationError) as exc:

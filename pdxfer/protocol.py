@@ -28,7 +28,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
 RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]

@@ -1,10 +1,15 @@
 """ZMQ sockets and framing; no business logic.
 
-Engine messages are one frame of MessagePack. Peer messages are two frames:
-an envelope (the sender's incarnation and, with a cluster secret, an HMAC) and the
-payload. Routers receive ``[identity, *frames]``. Sizes are bounded twice: ZMQ drops
-a connection whose message exceeds twice the limit before it is buffered, and
-anything over the limit itself is refused with an error reply by the caller.
+Every frame of MessagePack is one message. A ZMQ message carries one or more of
+them: engine messages are just those frames; peer messages start with an envelope
+(the sender's incarnation and, with a cluster secret, an HMAC over all of them).
+Routers receive ``[identity, *frames]``. Sizes are bounded twice: ZMQ drops a
+connection whose frame exceeds twice the limit before it is buffered, and anything
+over the limit itself is refused with an error reply by the caller.
+
+Messages posted to one destination during one turn of the event loop leave together,
+as one ZMQ message (``post``): under load that is one wake-up of each side's I/O
+thread and of the receiver's loop for many messages, not one each.
 
 Sockets are plain (not zmq.asyncio) and driven by the event loop: the loop watches
 each socket's file descriptor and hands every waiting message to a callback, and
@@ -74,46 +79,68 @@ class Seal:
         self._decoder = msgspec.msgpack.Decoder(Envelope)
         self._encoder = msgspec.msgpack.Encoder()
 
-    def _mac(self, incarnation: str, payload: bytes) -> bytes:
-        return hmac.new(self.secret, incarnation.encode() + b"\0" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+    def _mac(self, incarnation: str, payloads: list[bytes]) -> bytes:
+        mac = hmac.new(self.secret, incarnation.encode() + b"\0", hashlib.sha256)
+        for payload in payloads:  # length-prefixed: frames cannot be re-cut under one mac
+            mac.update(len(payload).to_bytes(8, "little"))
+            mac.update(payload)
+        return mac.digest()[:MAC_BYTES]
 
-    def seal(self, payload: bytes) -> list[bytes]:
-        mac = self._mac(self.incarnation, payload) if self.secret else b""
-        return [self._encoder.encode(Envelope(self.incarnation, mac)), payload]
+    def envelope(self, payloads: list[bytes]) -> bytes:
+        mac = self._mac(self.incarnation, payloads) if self.secret else b""
+        return self._encoder.encode(Envelope(self.incarnation, mac))
 
-    def open(self, frames: list[bytes]) -> tuple[str, bytes]:
-        """(sender incarnation, payload), or BadMessage / Unauthenticated."""
-        if len(frames) != 2:
-            raise BadMessage(f"a peer message has 2 frames (envelope, payload), not {len(frames)}")
+    def seal(self, payloads: list[bytes]) -> list[bytes]:
+        return [self.envelope(payloads), *payloads]
+
+    def open(self, frames: list[bytes]) -> tuple[str, list[bytes]]:
+        """(sender incarnation, payloads), or BadMessage / Unauthenticated."""
+        if not 2 <= len(frames) <= MAX_BATCH + 1:
+            raise BadMessage(f"a peer message has an envelope and 1 to {MAX_BATCH} payload frames, not {len(frames)} frames")
         try:
             env = self._decoder.decode(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BadMessage(f"cannot decode the envelope: {exc}") from None
-        if self.secret and not hmac.compare_digest(env.mac, self._mac(env.incarnation, frames[1])):
+        payloads = frames[1:]
+        if self.secret and not hmac.compare_digest(env.mac, self._mac(env.incarnation, payloads)):
             raise Unauthenticated("message not signed with this cluster's secret")
-        return env.incarnation, frames[1]
+        return env.incarnation, payloads
 
 
-BATCH = 256  # messages handled per wake-up before other callbacks get a turn
+BATCH = 256  # ZMQ messages handled per wake-up before other callbacks get a turn
+MAX_BATCH = 256  # messages (frames) one ZMQ message may carry; receivers refuse more
 # Plain ints: zmq's flag enums cost a Python-level __or__ on every frame.
 _LAST = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
 
 
+Head = Callable[[list[bytes]], list[bytes]]  # the frames that go before a batch's payloads
+Dropped = Callable[["bytes | None", list[bytes]], None]  # (destination, payloads) that could not be queued
+
+
+def _no_head(payloads: list[bytes]) -> list[bytes]:
+    return []
+
+
 class LoopSocket:
     """A plain ZMQ socket whose incoming messages the event loop hands to
-    ``on_message`` as they arrive. A callback's exception is logged and counted
-    (``errors``) and the socket goes on (H1)."""
+    ``on_message`` as they arrive, and whose posted messages leave in batches (one
+    ZMQ message per destination per turn of the loop). A callback's exception is
+    logged and counted (``errors``) and the socket goes on (H1)."""
 
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str) -> None:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str, head: Head = _no_head) -> None:
         self.sock = sock
         self.on_message = on_message
         self.name = name
+        self.head = head
+        self.on_dropped: Dropped = lambda to, payloads: None
         self.errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False  # inside _readable, which reads again anyway
         self._look_pending = False  # a _readable call is already scheduled
+        self._outbox: dict[bytes | None, list[bytes]] = {}  # destination (a ROUTER's peer identity, or None) -> payloads
+        self._flush_pending = False
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -149,8 +176,35 @@ class LoopSocket:
             self._look_pending = True
             self._loop.call_soon(self._readable)
 
-    def send(self, frames, to="") -> bool:
-        """Queue a message without blocking; False if it could not be (peer gone, queue full)."""
+    def post(self, payload: bytes, to: bytes | None = None) -> None:
+        """Queue one message for ``to`` (a ROUTER's peer identity; None on a DEALER).
+        It leaves at the end of this turn of the loop with the others posted to the
+        same destination, or at once when their batch is full or this one is big."""
+        batch = self._outbox.get(to)
+        if batch is None:
+            batch = self._outbox[to] = []
+            if not self._flush_pending and self._loop is not None:
+                self._flush_pending = True
+                self._loop.call_soon(self.flush)
+        batch.append(payload)
+        if len(batch) >= MAX_BATCH or len(payload) >= _COPY_BELOW:
+            self._send_batch(to, self._outbox.pop(to))
+
+    def flush(self) -> None:
+        """Send every posted message now."""
+        self._flush_pending = False
+        outbox, self._outbox = self._outbox, {}
+        for to, payloads in outbox.items():
+            self._send_batch(to, payloads)
+
+    def _send_batch(self, to: bytes | None, payloads: list[bytes]) -> None:
+        frames = self.head(payloads) + payloads
+        if not self.send(frames if to is None else [to, *frames], to):
+            self.on_dropped(to, payloads)
+
+    def send(self, frames, to=None) -> bool:
+        """Queue one ZMQ message now, without blocking; False if it could not be
+        (peer gone, queue full)."""
         sock = self.sock
         if sock is None or sock.closed:
             return False
@@ -170,6 +224,7 @@ class LoopSocket:
                 self._look_soon()
 
     def close(self) -> None:
+        self.flush()
         sock, self.sock = self.sock, None
         if sock is None or sock.closed:
             return
@@ -197,7 +252,7 @@ class Router:
         self._io: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None]) -> str:
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = _no_head) -> str:
         prepare_ipc(self.endpoint)
         sock = self.ctx.socket(zmq.ROUTER)
         _tune(sock, self.max_bytes, self.hwm)
@@ -210,7 +265,7 @@ class Router:
             sock.bind(self.endpoint)
         restrict_ipc(self.endpoint)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._io = LoopSocket(sock, lambda frames: on_message(frames[0], frames[1:]), self.bound)
+        self._io = LoopSocket(sock, lambda frames: on_message(frames[0], frames[1:]), self.bound, head)
         self._io.attach(loop)
         self._monitor.attach(loop)
         return self.bound
@@ -222,9 +277,11 @@ class Router:
     def _connection(self, event: int) -> None:
         self.connections += 1 if event == zmq.EVENT_ACCEPTED else -1
 
-    def send(self, identity: bytes, *frames: bytes) -> bool:
-        """Queue a message; False if its queue is full (one to a departed identity is dropped)."""
-        return self._io is not None and self._io.send((identity, *frames), identity)
+    def post(self, identity: bytes, payload: bytes) -> None:
+        """Queue a message for the peer ``identity`` (see LoopSocket.post); one to a
+        departed identity, or past a full queue, is dropped."""
+        if self._io is not None:
+            self._io.post(payload, identity)
 
     def close(self) -> None:
         if self._io is not None:
@@ -258,6 +315,8 @@ class Dealer:
         loop: asyncio.AbstractEventLoop,
         on_message: Callable[[list[bytes]], None],
         on_connection: Callable[[str], None] | None = None,
+        head: Head = _no_head,
+        on_dropped: Dropped | None = None,
     ) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         _tune(sock, self.max_bytes, self.hwm)
@@ -268,15 +327,20 @@ class Dealer:
             self._monitor = _monitor(sock, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, tell, f"{self.endpoint} monitor")
             self._monitor.attach(loop)
         sock.connect(self.endpoint)
-        self._io = LoopSocket(sock, on_message, self.endpoint)
+        self._io = LoopSocket(sock, on_message, self.endpoint, head)
+        if on_dropped is not None:
+            self._io.on_dropped = on_dropped
         self._io.attach(loop)
 
     @property
     def errors(self) -> int:
         return self._io.errors if self._io is not None else 0
 
-    def send(self, *frames: bytes) -> bool:
-        return self._io is not None and self._io.send(frames, self.endpoint)
+    def post(self, payload: bytes) -> None:
+        """Queue a message (see LoopSocket.post); past a full queue it is dropped,
+        and ``on_dropped`` hears of it."""
+        if self._io is not None:
+            self._io.post(payload)
 
     def close(self) -> None:
         if self._io is None:

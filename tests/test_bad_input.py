@@ -41,7 +41,7 @@ from pdxfer.launch import start_daemon
 from pdxfer.plan import compat_of, pages_to_bytes
 from pdxfer.protocol import RoomState
 from pdxfer.service import loose_req
-from pdxfer.wire import Seal
+from pdxfer.wire import MAX_BATCH, Seal
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, engine, start_room, wait_until
@@ -505,8 +505,8 @@ def envelope_decodes(raw: bytes) -> bool:
 @st.composite
 def malformed_peer_frames(draw) -> list[bytes]:
     how = draw(st.sampled_from(["frame_count", "envelope", "payload_bytes", "payload_map"]))
-    if how == "frame_count":
-        return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=5).filter(lambda f: len(f) != 2))
+    if how == "frame_count":  # no payload, or more than one message may carry
+        return draw(st.just([draw(st.binary(max_size=64))]) | st.just([envelope(draw(incarnations))] + [b"\x80"] * (MAX_BATCH + 1)))
     if how == "envelope":
         env = draw(st.binary(max_size=64) | values.map(msgspec.msgpack.encode))
         assume(not envelope_decodes(env))
@@ -678,10 +678,10 @@ def unsigned_frames(draw) -> list[bytes]:
     elif how == "random_mac":
         mac = draw(st.binary(min_size=1, max_size=32))
     elif how == "other_secret":
-        mac = Seal(incarnation, draw(st.binary(min_size=16, max_size=40).filter(lambda s: s != SECRET)))._mac(incarnation, payload)
+        mac = Seal(incarnation, draw(st.binary(min_size=16, max_size=40).filter(lambda s: s != SECRET)))._mac(incarnation, [payload])
     else:  # signed with the right secret, but for another sender: the MAC covers the incarnation
-        mac = Seal("x", SECRET)._mac(incarnation + "0", payload)
-    assume(mac != Seal(incarnation, SECRET)._mac(incarnation, payload))
+        mac = Seal("x", SECRET)._mac(incarnation + "0", [payload])
+    assume(mac != Seal(incarnation, SECRET)._mac(incarnation, [payload]))
     return [envelope(incarnation, mac), payload]
 
 
@@ -707,7 +707,7 @@ def test_malformed_messages_to_a_signed_prefill_get_peer_error(signed, frames):
     """Framing is checked before the signature: bad framing is bad_message; a readable
     envelope without the right signature is refused as unauthenticated."""
     live, sock, _, _ = signed
-    framed = len(frames) == 2 and envelope_decodes(frames[0])
+    framed = 2 <= len(frames) <= MAX_BATCH + 1 and envelope_decodes(frames[0])
     kind, codes = (p.PeerRefused, {"unauthenticated"}) if framed else (p.PeerError, {"bad_message"})
     check_peer_error(live, sock, frames, kinds=(kind,), codes=codes)
 
@@ -718,7 +718,7 @@ def test_signed_but_malformed_or_premature_messages_to_a_signed_prefill_get_peer
     """Signed correctly, the message is judged on its content like any other."""
     live, sock, _, _ = signed
     codes = {"unknown_peer"} if peer_decodes(payload) else {"bad_message"}
-    check_peer_error(live, sock, Seal(incarnation, SECRET).seal(payload), codes=codes)
+    check_peer_error(live, sock, Seal(incarnation, SECRET).seal([payload]), codes=codes)
 
 
 def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves_bytes(signed):
@@ -727,7 +727,7 @@ def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves
     sock = _dealer(f"tcp://{live.daemon.bootstrap}")
     try:
         seal = Seal("c" * 16, SECRET)
-        reply = ask_peer(sock, seal.seal(CODEC.encode(msgspec.structs.replace(_HELLO, incarnation="c" * 16))))
+        reply = ask_peer(sock, seal.seal([CODEC.encode(msgspec.structs.replace(_HELLO, incarnation="c" * 16))]))
         assert isinstance(reply, p.PeerWelcome), reply
     finally:
         sock.close(0)

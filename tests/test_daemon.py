@@ -13,7 +13,8 @@ import zmq
 from pdxfer import config, errors
 from pdxfer.client import Client
 from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import CudaIpcHandle, Error, RegisterKV, RoomState
+from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, RegisterKV, RoomState
+from pdxfer.wire import MAX_BATCH
 
 from .conftest import needs_mooncake, small_layout
 
@@ -83,6 +84,28 @@ def test_garbage_from_an_engine_gets_an_error_and_the_daemon_keeps_serving(engin
     s = prefill.alloc_slot()
     prefill.send(3, np.array([2]), 4, s, aux_bytes=0)
     assert decode.wait(3).state is RoomState.SUCCESS
+
+
+@needs_mooncake
+def test_requests_batched_in_one_zmq_message_each_get_their_reply_in_order(engines):
+    engines(engines.decode_daemon, small_layout())
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(engines.decode_daemon.engine)
+    codec = Codec()
+    try:
+        raw.send_multipart([codec.encode(GetStats(req=r)) for r in (11, 12, 13)] + [b"\xc1"])
+        replies = []
+        while len(replies) < 4:
+            assert raw.poll(5000), f"only {len(replies)} replies to 4 batched requests"
+            replies += [codec.engine_replies.decode(f) for f in raw.recv_multipart()]
+        assert [type(r).__name__ for r in replies] == ["Stats", "Stats", "Stats", "Error"]
+        assert [r.req for r in replies[:3]] == [11, 12, 13] and replies[3].code.value == "bad_message"
+        raw.send_multipart([codec.encode(GetStats(req=20 + i)) for i in range(MAX_BATCH + 1)])
+        assert raw.poll(5000)
+        (reply,) = [codec.engine_replies.decode(f) for f in raw.recv_multipart()]
+        assert isinstance(reply, Error) and reply.code.value == "bad_message" and str(MAX_BATCH) in reply.message
+    finally:
+        raw.close(0)
 
 
 @needs_mooncake

@@ -18,6 +18,7 @@ The last tests each pin a bug found while writing these (now fixed).
 from __future__ import annotations
 
 import asyncio
+import collections
 import signal
 import time
 
@@ -76,12 +77,16 @@ class FakePrefill:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self._received: collections.deque = collections.deque()
 
     def recv(self, timeout: float = 10.0):
-        assert self.sock.poll(int(timeout * 1000)), "the decode daemon sent nothing"
-        identity, *frames = self.sock.recv_multipart()
-        _, payload = self.seal.open(frames)
-        return identity, self.codec.peer_messages.decode(payload)
+        """The next message, in order; one ZMQ message may carry several."""
+        if not self._received:
+            assert self.sock.poll(int(timeout * 1000)), "the decode daemon sent nothing"
+            identity, *frames = self.sock.recv_multipart()
+            _, payloads = self.seal.open(frames)
+            self._received.extend((identity, self.codec.peer_messages.decode(payload)) for payload in payloads)
+        return self._received.popleft()
 
     def recv_kind(self, kind, timeout: float = 10.0):
         """Skip heartbeats and other messages until one of type ``kind``."""
@@ -92,7 +97,7 @@ class FakePrefill:
                 return identity, msg
 
     def send(self, identity: bytes, msg) -> None:
-        self.sock.send_multipart([identity, *self.seal.seal(self.codec.encode(msg))])
+        self.sock.send_multipart([identity, *self.seal.seal([self.codec.encode(msg)])])
 
     def welcome(self, identity: bytes) -> None:
         self.send(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session="127.0.0.1:1"))
