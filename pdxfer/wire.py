@@ -111,6 +111,7 @@ BATCH = 256  # ZMQ messages handled per wake-up before other callbacks get a tur
 MAX_BATCH = 256  # messages (frames) one ZMQ message may carry; receivers refuse more
 # Plain ints: zmq's flag enums cost a Python-level __or__ on every frame.
 _LAST = int(zmq.NOBLOCK)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
 
@@ -156,6 +157,9 @@ class LoopSocket:
         try:
             for _ in range(BATCH):
                 try:
+                    # Asking first is cheaper than the Again exception a read of nothing raises.
+                    if not sock.getsockopt(_EVENTS) & _POLLIN:
+                        return
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     return
