@@ -12,16 +12,26 @@ from pdxfer.errors import BadMessage
 from pdxfer.wire import MAX_BATCH, Dealer, Router, Seal, Unauthenticated
 
 
-def _pair(loop, endpoint: str, head=None):
-    """A bound Router and a connected Dealer; what each receives is appended to a list."""
-    ctx = zmq.Context.instance()
-    at_router: list[tuple[bytes, list[bytes]]] = []
-    at_dealer: list[list[bytes]] = []
-    router = Router(ctx, endpoint, 1 << 20, 10_000)
-    bound = router.start(loop, lambda identity, frames: at_router.append((identity, frames)), *([head] if head else []))
-    dealer = Dealer(ctx, bound, b"dealer-1", 1 << 20, 10_000)
-    dealer.start(loop, at_dealer.append, *([None, head] if head else []))
-    return router, dealer, at_router, at_dealer
+@pytest.fixture
+def sockets(runtime_dir):
+    """Factory: a bound Router and a connected Dealer, (router, dealer, what the router
+    got as (identity, frames), what the dealer got); closed at teardown."""
+    made = []
+
+    def make(head=None):
+        loop, ctx = asyncio.get_running_loop(), zmq.Context.instance()
+        at_router: list[tuple[bytes, list[bytes]]] = []
+        at_dealer: list[list[bytes]] = []
+        router = Router(ctx, f"ipc://{runtime_dir}/w{len(made)}.sock", 1 << 20, 10_000)
+        bound = router.start(loop, lambda identity, frames: at_router.append((identity, frames)), *([head] if head else []))
+        dealer = Dealer(ctx, bound, b"dealer-1", 1 << 20, 10_000)
+        dealer.start(loop, at_dealer.append, *([None, head] if head else []))
+        made.extend((dealer, router))
+        return router, dealer, at_router, at_dealer
+
+    yield make
+    for sock in made:
+        sock.close()
 
 
 async def _until(predicate, timeout: float = 5.0) -> None:
@@ -31,81 +41,57 @@ async def _until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def test_posts_of_one_turn_leave_as_one_message_per_destination_in_order(runtime_dir):
-    loop = asyncio.get_running_loop()
-    router, dealer, at_router, at_dealer = _pair(loop, f"ipc://{runtime_dir}/w.sock")
-    try:
-        for i in range(5):
-            dealer.post(b"m%d" % i)
-        await _until(lambda: at_router)
-        identity, frames = at_router[0]
-        assert identity == b"dealer-1" and frames == [b"m0", b"m1", b"m2", b"m3", b"m4"]
-        assert len(at_router) == 1
-        router.post(identity, b"r0")
-        router.post(identity, b"r1")
-        await _until(lambda: at_dealer)
-        assert at_dealer == [[b"r0", b"r1"]]
-    finally:
-        dealer.close()
-        router.close()
+async def test_posts_of_one_turn_leave_as_one_message_per_destination_in_order(sockets):
+    router, dealer, at_router, at_dealer = sockets()
+    for i in range(5):
+        dealer.post(b"m%d" % i)
+    await _until(lambda: at_router)
+    identity, frames = at_router[0]
+    assert identity == b"dealer-1" and frames == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+    assert len(at_router) == 1
+    router.post(identity, b"r0")
+    router.post(identity, b"r1")
+    await _until(lambda: at_dealer)
+    assert at_dealer == [[b"r0", b"r1"]]
 
 
-async def test_a_full_batch_leaves_at_once_and_the_rest_follows(runtime_dir):
-    loop = asyncio.get_running_loop()
-    router, dealer, at_router, _ = _pair(loop, f"ipc://{runtime_dir}/w.sock")
-    try:
-        for i in range(MAX_BATCH + 3):
-            dealer.post(i.to_bytes(4, "little"))
-        await _until(lambda: sum(len(frames) for _, frames in at_router) == MAX_BATCH + 3)
-        assert [len(frames) for _, frames in at_router] == [MAX_BATCH, 3]
-        got = [int.from_bytes(f, "little") for _, frames in at_router for f in frames]
-        assert got == list(range(MAX_BATCH + 3))
-    finally:
-        dealer.close()
-        router.close()
+async def test_a_full_batch_leaves_at_once_and_the_rest_follows(sockets):
+    router, dealer, at_router, _ = sockets()
+    for i in range(MAX_BATCH + 3):
+        dealer.post(i.to_bytes(4, "little"))
+    await _until(lambda: sum(len(frames) for _, frames in at_router) == MAX_BATCH + 3)
+    assert [len(frames) for _, frames in at_router] == [MAX_BATCH, 3]
+    got = [int.from_bytes(f, "little") for _, frames in at_router for f in frames]
+    assert got == list(range(MAX_BATCH + 3))
 
 
-async def test_a_big_message_is_not_held_for_the_end_of_the_turn(runtime_dir):
-    loop = asyncio.get_running_loop()
-    router, dealer, at_router, _ = _pair(loop, f"ipc://{runtime_dir}/w.sock")
-    try:
-        dealer.post(b"small")
-        dealer.post(b"x" * 100_000)
-        dealer.post(b"after")
-        await _until(lambda: sum(len(frames) for _, frames in at_router) == 3)
-        assert [[len(f) for f in frames] for _, frames in at_router] == [[5, 100_000], [5]]
-    finally:
-        dealer.close()
-        router.close()
+async def test_a_big_message_is_not_held_for_the_end_of_the_turn(sockets):
+    router, dealer, at_router, _ = sockets()
+    dealer.post(b"small")
+    dealer.post(b"x" * 100_000)
+    dealer.post(b"after")
+    await _until(lambda: sum(len(frames) for _, frames in at_router) == 3)
+    assert [[len(f) for f in frames] for _, frames in at_router] == [[5, 100_000], [5]]
 
 
-async def test_close_sends_what_was_posted(runtime_dir):
-    loop = asyncio.get_running_loop()
-    router, dealer, at_router, _ = _pair(loop, f"ipc://{runtime_dir}/w.sock")
-    try:
-        await asyncio.sleep(0.05)  # connected, so the close below has a pipe to flush into
-        dealer.post(b"last words")
-        dealer.close()
-        await _until(lambda: at_router)
-        assert at_router[0][1] == [b"last words"]
-    finally:
-        router.close()
+async def test_close_sends_what_was_posted(sockets):
+    router, dealer, at_router, _ = sockets()
+    await asyncio.sleep(0.05)  # connected, so the close below has a pipe to flush into
+    dealer.post(b"last words")
+    dealer.close()
+    await _until(lambda: at_router)
+    assert at_router[0][1] == [b"last words"]
 
 
-async def test_a_signed_batch_has_one_envelope_that_covers_every_frame(runtime_dir):
-    loop = asyncio.get_running_loop()
+async def test_a_signed_batch_has_one_envelope_that_covers_every_frame(sockets):
     sender, receiver = Seal("sender-1", b"s" * 16), Seal("receiver-1", b"s" * 16)
-    router, dealer, at_router, _ = _pair(loop, f"ipc://{runtime_dir}/w.sock", head=lambda payloads: [sender.envelope(payloads)])
-    try:
-        dealer.post(b"one")
-        dealer.post(b"two")
-        await _until(lambda: at_router)
-        frames = at_router[0][1]
-        assert len(frames) == 3
-        assert receiver.open(frames) == ("sender-1", [b"one", b"two"])
-    finally:
-        dealer.close()
-        router.close()
+    router, dealer, at_router, _ = sockets(lambda payloads: [sender.envelope(payloads)])
+    dealer.post(b"one")
+    dealer.post(b"two")
+    await _until(lambda: at_router)
+    frames = at_router[0][1]
+    assert len(frames) == 3
+    assert receiver.open(frames) == ("sender-1", [b"one", b"two"])
 
 
 def test_the_mac_covers_where_frames_are_cut_their_order_and_every_frame():
