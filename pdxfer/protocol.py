@@ -564,9 +564,10 @@ AdminReply = Union[RoomsReply, PeersReply, SlotsReply, InfoReply, Ok, Error]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """The first of the two frames of every peer message: who sends (its incarnation,
-    new on every start) and, when the cluster has a secret, an HMAC-SHA256 over the
-    incarnation and the payload frame (first 16 bytes)."""
+    """The first frame of every peer ZMQ message, before its 1 to 256 message frames:
+    who sends (its incarnation, new on every start) and, when the cluster has a
+    secret, an HMAC-SHA256 over the incarnation and every message frame, each
+    length-prefixed (first 16 bytes)."""
 
     incarnation: str
     mac: bytes = b""
