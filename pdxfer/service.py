@@ -8,6 +8,7 @@ its engine and peers through callables the daemon injects (``send_engine``,
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -242,8 +243,14 @@ class RoomService:
         return Ok(req=msg.req)
 
     async def _map(self, handle):
-        """Map an engine buffer and register it with the transport."""
-        mapped = memory.open_handle(handle)
+        """Map an engine buffer and register it with the transport. Host memory is
+        mapped off the event loop: populating a big pool takes seconds (0.28 s per
+        2 GiB here), longer than heartbeats may wait. Device handles open on the
+        loop's thread, the one the device was made current on (D1)."""
+        if isinstance(handle, ShmHandle):
+            mapped = await asyncio.get_running_loop().run_in_executor(None, memory.open_handle, handle)
+        else:
+            mapped = memory.open_handle(handle)
         try:
             await self.register_memory(mapped.address, handle.size)
         except BaseException:

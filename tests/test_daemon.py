@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
 
-from pdxfer import config, errors
-from pdxfer.client import Client
+from pdxfer import config, errors, memory
+from pdxfer.client import Client, KVPool, _Requests
+from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, RegisterKV, RoomState
+from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Ok, RegisterKV, Role, RoomState
 from pdxfer.wire import MAX_BATCH
 
 from .conftest import needs_mooncake, small_layout
@@ -115,3 +117,33 @@ def test_demo_command_runs_and_reports(tmp_path):
     assert "rooms succeeded     24 / 24" in result.stdout
     assert "0 mismatches" in result.stdout
     assert "p50" in result.stdout and "GB/s" in result.stdout
+
+
+async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runtime_dir):
+    """Populating a big pool takes seconds; on the loop's thread it would hold up every
+    heartbeat and engine message meanwhile."""
+    mapped_on = []
+    open_handle = memory.open_handle
+
+    def spy(handle):
+        mapped_on.append(threading.get_ident())
+        return open_handle(handle)
+
+    monkeypatch.setattr(memory, "open_handle", spy)
+    registered = []
+
+    async def register(address: int, length: int) -> None:
+        registered.append(length)
+
+    service = PrefillService(config.Config(role=Role.PREFILL, runtime_dir=runtime_dir), "i" * 16, register)
+    pool = KVPool.create(small_layout())
+    try:
+        request = _Requests("unused")._register_kv(pool)
+        reply = await service.on_engine(b"engine", Codec().encode(request))
+        assert isinstance(reply, Ok), reply
+        assert registered == [pool.memory.size]
+        assert mapped_on and threading.get_ident() not in mapped_on
+    finally:
+        if service.kv is not None:
+            service.kv.memory.close()
+        pool.close()
