@@ -53,7 +53,7 @@ from .protocol import (
     Stats,
 )
 from .stamp import HEADER_BYTES, unpack_header, verify
-from .wire import Dealer
+from .wire import CLOSE_LINGER, Dealer
 
 WAIT_POLL_SECONDS = 1.0  # wait() asks the daemon this often when no status was pushed
 MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -268,9 +268,10 @@ class Client(_Requests):
 
     def close(self) -> None:
         if self._sock is not None:
-            for raw in self._spares_back():
+            spares = self._spares_back()
+            for raw in spares:
                 self._sock.send(raw, zmq.NOBLOCK)
-            self._sock.close(0)
+            self._sock.close(CLOSE_LINGER if spares else 0)  # time for the spare slots to go back
             self._sock = None
         self._close_pools()
 

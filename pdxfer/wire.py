@@ -113,6 +113,7 @@ MAX_BATCH = 256  # messages (frames) one ZMQ message may carry; receivers refuse
 _LAST = int(zmq.NOBLOCK)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+CLOSE_LINGER = 100  # ms
 _COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
 
 
@@ -228,13 +229,16 @@ class LoopSocket:
                 self._look_soon()
 
     def close(self) -> None:
+        """Send what was posted, then close; what it just sent gets CLOSE_LINGER to
+        leave (a context's term() waits that long at most), anything else is dropped."""
+        posted = bool(self._outbox)
         self.flush()
         sock, self.sock = self.sock, None
         if sock is None or sock.closed:
             return
         if self._loop is not None:
             self._loop.remove_reader(sock.getsockopt(zmq.FD))
-        sock.close(0)
+        sock.close(CLOSE_LINGER if posted else 0)
 
 
 def _monitor(sock: zmq.Socket, events: int, on_event: Callable[[int], None], name: str) -> LoopSocket:
