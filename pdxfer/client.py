@@ -180,6 +180,9 @@ class _Requests:
         self.welcome = None
         self._req = itertools.count(1)
 
+    def _gone(self) -> str:
+        return f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"
+
     def _kv_version(self, memory_version: int | None) -> int:
         if memory_version is not None:
             return memory_version
@@ -261,6 +264,11 @@ class Client(_Requests):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Watched while waiting, so a daemon that dies fails the wait at once (DaemonGone).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(self.endpoint)
         self._status: dict[int, RoomStatus] = {}
         self.welcome = self._call(self._hello())
@@ -271,9 +279,20 @@ class Client(_Requests):
             spares = self._spares_back()
             for raw in spares:
                 self._sock.send(raw, zmq.NOBLOCK)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(CLOSE_LINGER if spares else 0)  # time for the spare slots to go back
             self._sock = None
         self._close_pools()
+
+    def _receive(self, timeout_ms: int) -> list[bytes] | None:
+        """The next incoming ZMQ message, or None after ``timeout_ms``; DaemonGone when
+        the connection to the daemon dropped meanwhile."""
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._monitor in ready:
+            self._monitor.recv_multipart()
+            raise errors.DaemonGone(self._gone())
+        return self._sock.recv_multipart() if self._sock in ready else None
 
     def __enter__(self) -> "Client":
         self.connect()
@@ -299,15 +318,16 @@ class Client(_Requests):
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            frames = self._receive(int(left * 1000) + 1) if left > 0 else None
+            if frames is None:
                 raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s")
-            mine = [reply for reply in self._take(self._sock.recv_multipart()) if getattr(reply, "req", None) == msg.req]
+            mine = [reply for reply in self._take(frames) if getattr(reply, "req", None) == msg.req]
             if mine:
                 return raise_for(mine[0])
 
     def _drain(self, timeout_ms: int = 0) -> None:
-        while self._sock.poll(timeout_ms):
-            self._take(self._sock.recv_multipart())
+        while (frames := self._receive(timeout_ms)) is not None:
+            self._take(frames)
             timeout_ms = 0
 
     def create_kv_pool(self, layout: KVLayout) -> KVPool:
@@ -404,7 +424,7 @@ class AsyncClient(_Requests):
         """A daemon that went away forgets this engine: fail what waits on it now
         rather than at each call's timeout."""
         if event == "disconnected":
-            self._fail_waiting(errors.DaemonGone, f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again")
+            self._fail_waiting(errors.DaemonGone, self._gone())
 
     def _fail_waiting(self, error: type[errors.PdxferError], message: str) -> None:
         """Every call awaiting a reply and every wait() raise ``error(message)``."""

@@ -459,3 +459,20 @@ async def test_an_engine_waiting_on_its_killed_daemon_hears_so_at_once(daemons):
         assert time.monotonic() - killed < 30  # a liveness bound, far below the 60 s timeout
     finally:
         await cd.close()
+
+
+def test_a_sync_engine_waiting_on_its_killed_daemon_hears_so_at_once(daemons):
+    """As above, for the synchronous client: its wait() polls the connection too."""
+    d = daemons("decode", *HB_FLAGS, "--bootstrap-timeout", "60", name="d")
+    cd = Client(d.engine, timeout=60.0)
+    cd.connect()
+    try:
+        cd.create_kv_pool(small_layout())
+        cd.create_aux_buffer(4, 64)
+        cd.expect(100, f"127.0.0.1:{free_port()}", pages(0), cd.alloc_slot())
+        killed = kill(d)
+        with pytest.raises(errors.DaemonGone, match="went away"):
+            cd.wait(100, timeout=60)
+        assert time.monotonic() - killed < 30  # a liveness bound, far below the 60 s timeout
+    finally:
+        cd.close()
