@@ -39,12 +39,15 @@ from .transport import Status, Transport
 log = logging.getLogger("pdxfer.pump")
 
 # Polling: with a few writes in flight (a small room, where latency is the point) spin
-# for SPIN_SECONDS, then sleep at most IDLE_POLL_MAX between polls; with many (bulk
-# transfers, where the engine's threads need the cores) back off up to BULK_POLL_MAX.
+# for SPIN_SECONDS, then sleep from IDLE_POLL_MIN, doubling up to IDLE_POLL_MAX, between
+# polls; with many (bulk transfers, where the engine's threads need the cores) from
+# BULK_POLL_MIN up to BULK_POLL_MAX. A full window holds milliseconds of work, so the
+# longer bulk sleeps never leave the engine idle: on medium rooms they cut the pump from
+# ~28% to ~20% of a core, and the engine's sending thread got the difference.
 SPIN_BELOW = 16
 SPIN_SECONDS = 0.0001  # a small write completes in ~50 us
-IDLE_POLL_MAX = 0.0002
-BULK_POLL_MAX = 0.0002
+IDLE_POLL_MIN, IDLE_POLL_MAX = 0.00002, 0.0002
+BULK_POLL_MIN, BULK_POLL_MAX = 0.0001, 0.001
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (big blocks get longer)
 
@@ -80,7 +83,7 @@ class Job:
 class _Peer:
     window: int
     jobs: deque = field(default_factory=deque)  # jobs with blocks still to submit
-    in_flight: deque = field(default_factory=deque)  # (handle, job, block index), oldest first
+    in_flight: deque = field(default_factory=deque)  # (handle, job, block index, bytes), oldest first
     suspect: bool = False  # a write failed: probe before submitting more
     probe: int = 0
     credit: int = 0  # completions since the window last grew
@@ -155,7 +158,7 @@ class TransferPump:
                 idle_since = idle_since or now
                 few = sum(len(p.in_flight) for p in self._peers.values()) <= SPIN_BELOW
                 if not few or now - idle_since > SPIN_SECONDS:  # polls release the GIL: a short spin is cheap
-                    pause = min(IDLE_POLL_MAX if few else BULK_POLL_MAX, pause * 2 or 0.00002)
+                    pause = min(pause * 2, IDLE_POLL_MAX if few else BULK_POLL_MAX) or (IDLE_POLL_MIN if few else BULK_POLL_MIN)
                     time.sleep(pause)
             else:
                 self._wake.wait()
@@ -215,13 +218,14 @@ class TransferPump:
                 job.next = end
             if not peer.in_flight:
                 peer.progress_at = now
-            handles = self.transport.submit(peer_name, *(column.tolist() for column in picked))
+            src, dst, length = (column.tolist() for column in picked)
+            handles = self.transport.submit(peer_name, src, dst, length)
             self.blocks_submitted += len(indices)
-            for index, handle in zip(indices, handles):
+            for index, handle, nbytes in zip(indices, handles, length):
                 if handle == 0:
                     self._write_failed(peer_name, peer, job, index, "refused")
                 else:
-                    peer.in_flight.append((handle, job, index))
+                    peer.in_flight.append((handle, job, index, nbytes))
                     job.in_flight += 1
             progressed = True
         return progressed
@@ -229,7 +233,7 @@ class TransferPump:
     def _drain(self, peer: _Peer) -> bool:
         progressed = False
         while peer.in_flight:
-            handle, job, index = peer.in_flight[0]
+            handle, job, index, nbytes = peer.in_flight[0]
             status = self.transport.poll(handle)
             if status is Status.PENDING:
                 break
@@ -239,12 +243,12 @@ class TransferPump:
             if status is Status.FAILED:
                 self._write_failed(job.peer, peer, job, index, "reported failed")
             else:
-                self.bytes_done += int(job.blocks.length[index])
+                self.bytes_done += nbytes
                 peer.credit += 1
                 if peer.credit >= peer.window:  # additive increase: one block per window completed
                     peer.credit = 0
                     peer.window = min(self.window, peer.window + 1)
-            if job._finished() and not job.queued:
+            if not job.in_flight and not job.queued and job._finished():
                 self._finished.append(job)
         if progressed:
             peer.progress_at = time.monotonic()
@@ -272,7 +276,7 @@ class TransferPump:
         job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
 
     def _stall_allowance(self, peer: _Peer) -> float:
-        _, job, index = peer.in_flight[0]
+        _, job, index, _ = peer.in_flight[0]
         return self.stall_timeout + int(job.blocks.length[index]) / STALL_MIN_RATE
 
     def _is_stalled(self, peer: _Peer, now: float) -> bool:
@@ -285,7 +289,7 @@ class TransferPump:
         self.stalls += 1
         reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self._stall_allowance(peer):.3g}s"
         log.warning("%s; failing the jobs they belong to and re-creating the transport", reason)
-        self._abandon({id(j): j for _, j, _ in peer.in_flight}.values(), reason)
+        self._abandon({id(j): j for _, j, _, _ in peer.in_flight}.values(), reason)
         peer.in_flight.clear()
         peer.jobs = deque(job for job in peer.jobs if not job.abandoned)
         peer.suspect = True
@@ -348,7 +352,7 @@ class TransferPump:
         for peer in self._peers.values():
             peer.suspect = True
             jobs = {id(j): j for j in peer.jobs}
-            jobs.update({id(j): j for _, j, _ in peer.in_flight})
+            jobs.update({id(j): j for _, j, _, _ in peer.in_flight})
             self._abandon(jobs.values(), reason)
             peer.jobs.clear()
             peer.in_flight.clear()
