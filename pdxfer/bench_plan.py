@@ -154,7 +154,7 @@ def time_planning(workload: Workload, num_indices: int, seed: int = 0) -> dict:
     check_pages(dst, num_indices, "destination")
     blocks = plan_blocks(regions, region_bases(1 << 40, regions), region_bases(1 << 41, regions), src, dst)
     t1 = time.perf_counter()
-    lists = (blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
+    lists = blocks.lists(0, len(blocks))
     t2 = time.perf_counter()
     del lists
     return {

@@ -163,14 +163,25 @@ class Blocks:
     dst: np.ndarray
     length: np.ndarray
     nbytes: int
+    uniform: int = 0  # the length of every block when they are all equal (scattered pages), else 0
 
     @classmethod
     def of(cls, src, dst, length) -> "Blocks":
         length = np.asarray(length, np.uint64)
-        return cls(np.asarray(src, np.uint64), np.asarray(dst, np.uint64), length, int(length.sum()))
+        return cls(np.asarray(src, np.uint64), np.asarray(dst, np.uint64), length, int(length.sum()), _uniform(length))
 
     def __len__(self) -> int:
         return int(self.src.size)
+
+    def lists(self, start: int, end: int) -> tuple[list[int], list[int], list[int]]:
+        """Blocks start..end as the Python lists the transfer engine is called with;
+        equal lengths are repeated, not converted (a third of the cost)."""
+        length = [self.uniform] * (end - start) if self.uniform else self.length[start:end].tolist()
+        return self.src[start:end].tolist(), self.dst[start:end].tolist(), length
+
+
+def _uniform(length: np.ndarray) -> int:
+    return int(length[0]) if length.size and bool((length == length[0]).all()) else 0
 
 
 def plan_blocks(
@@ -189,11 +200,13 @@ def plan_blocks(
     if 0 < src_pages.size <= SMALL:
         starts, dst_starts, lengths = _runs_small(src_pages.tolist(), dst_pages[: src_pages.size].tolist())
         per_region = [(sb, db, r.page_bytes) for sb, db, r in zip(src_bases, dst_bases, regions)]
+        length = np.array([n * pb for _, _, pb in per_region for n in lengths], np.uint64)
         return Blocks(
             np.array([sb + s * pb for sb, _, pb in per_region for s in starts], np.uint64),
             np.array([db + d * pb for _, db, pb in per_region for d in dst_starts], np.uint64),
-            np.array([n * pb for _, _, pb in per_region for n in lengths], np.uint64),
+            length,
             sum(lengths) * sum(pb for _, _, pb in per_region),
+            _uniform(length),
         )
     runs = coalesce(src_pages, dst_pages[: src_pages.size])
     page_bytes = np.array([r.page_bytes for r in regions], dtype=np.uint64)[:, None]
@@ -205,6 +218,7 @@ def plan_blocks(
         dst=(dst_base + runs.dst_start.astype(np.uint64) * page_bytes).ravel(),
         length=length,
         nbytes=int(length.sum()),
+        uniform=_uniform(length),
     )
 
 

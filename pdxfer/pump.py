@@ -210,15 +210,15 @@ class TransferPump:
             b = job.blocks
             if job.retry:  # rare: fancy indexing is fine here
                 indices = [job.retry.popleft() for _ in range(min(room, len(job.retry)))]
-                picked = (b.src[indices], b.dst[indices], b.length[indices])
-            else:  # the hot path: slices are views, no index arrays built
+                picked = (b.src[indices].tolist(), b.dst[indices].tolist(), b.length[indices].tolist())
+            else:  # the hot path: slices, no index arrays built
                 end = min(len(job.blocks), job.next + room)
                 indices = range(job.next, end)
-                picked = (b.src[job.next : end], b.dst[job.next : end], b.length[job.next : end])
+                picked = b.lists(job.next, end)
                 job.next = end
             if not peer.in_flight:
                 peer.progress_at = now
-            src, dst, length = (column.tolist() for column in picked)
+            src, dst, length = picked
             handles = self.transport.submit(peer_name, src, dst, length)
             self.blocks_submitted += len(indices)
             for index, handle, nbytes in zip(indices, handles, length):

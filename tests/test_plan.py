@@ -328,3 +328,18 @@ def test_contiguous_run_is_one_block_per_region(k, s0, d0, regions):
         (bases[r] + s0 * reg.page_bytes, bases[r] + d0 * reg.page_bytes, k * reg.page_bytes)
         for r, reg in enumerate(regions)
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pp=st.integers(1, 300).flatmap(lambda n: st.tuples(*[st.lists(st.integers(0, 400), min_size=n, max_size=n)] * 2)),
+       regions=region_lists, cut=st.tuples(st.integers(0, 2000), st.integers(0, 2000)))
+def test_block_lists_are_the_blocks_as_python_ints_whether_lengths_are_equal_or_not(pp, regions, cut):
+    """The lists the pump hands the transfer engine: equal lengths are repeated rather
+    than converted, which must not change a single value."""
+    blocks = plan_blocks(regions, region_bases(0, regions), region_bases(1 << 40, regions), pages(*pp[0]), pages(*pp[1]))
+    lengths = blocks.length.tolist()
+    assert blocks.uniform == (lengths[0] if len(set(lengths)) == 1 else 0)
+    start, end = sorted(min(c, len(blocks)) for c in cut)
+    src, dst, length = blocks.lists(start, end)
+    assert (src, dst, length) == (blocks.src[start:end].tolist(), blocks.dst[start:end].tolist(), lengths[start:end])
+    assert all(type(v) is int for column in (src, dst, length) for v in column)
