@@ -159,10 +159,15 @@ class TransferPump:
                 few = sum(len(p.in_flight) for p in self._peers.values()) <= SPIN_BELOW
                 if not few or now - idle_since > SPIN_SECONDS:  # polls release the GIL: a short spin is cheap
                     pause = min(pause * 2, IDLE_POLL_MAX if few else BULK_POLL_MAX) or (IDLE_POLL_MIN if few else BULK_POLL_MIN)
+                    if self._windows_full():  # milliseconds of work queued in the engine: no hurry
+                        pause = BULK_POLL_MAX
                     time.sleep(pause)
             else:
                 self._wake.wait()
                 self._wake.clear()
+
+    def _windows_full(self) -> bool:
+        return all(len(p.in_flight) >= p.window for p in self._peers.values() if p.in_flight or p.jobs)
 
     def _round(self) -> bool:
         progressed = False
