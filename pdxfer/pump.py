@@ -158,9 +158,10 @@ class TransferPump:
                 idle_since = idle_since or now
                 few = sum(len(p.in_flight) for p in self._peers.values()) <= SPIN_BELOW
                 if not few or now - idle_since > SPIN_SECONDS:  # polls release the GIL: a short spin is cheap
-                    pause = min(pause * 2, IDLE_POLL_MAX if few else BULK_POLL_MAX) or (IDLE_POLL_MIN if few else BULK_POLL_MIN)
                     if self._windows_full():  # milliseconds of work queued in the engine: no hurry
                         pause = BULK_POLL_MAX
+                    else:
+                        pause = min(pause * 2, IDLE_POLL_MAX if few else BULK_POLL_MAX) or (IDLE_POLL_MIN if few else BULK_POLL_MIN)
                     time.sleep(pause)
             else:
                 self._wake.wait()
@@ -215,15 +216,14 @@ class TransferPump:
             b = job.blocks
             if job.retry:  # rare: fancy indexing is fine here
                 indices = [job.retry.popleft() for _ in range(min(room, len(job.retry)))]
-                picked = (b.src[indices].tolist(), b.dst[indices].tolist(), b.length[indices].tolist())
+                src, dst, length = b.src[indices].tolist(), b.dst[indices].tolist(), b.length[indices].tolist()
             else:  # the hot path: slices, no index arrays built
                 end = min(len(job.blocks), job.next + room)
                 indices = range(job.next, end)
-                picked = b.lists(job.next, end)
+                src, dst, length = b.lists(job.next, end)
                 job.next = end
             if not peer.in_flight:
                 peer.progress_at = now
-            src, dst, length = picked
             handles = self.transport.submit(peer_name, src, dst, length)
             self.blocks_submitted += len(indices)
             for index, handle, nbytes in zip(indices, handles, length):
@@ -281,8 +281,8 @@ class TransferPump:
         job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
 
     def _stall_allowance(self, peer: _Peer) -> float:
-        _, job, index, _ = peer.in_flight[0]
-        return self.stall_timeout + int(job.blocks.length[index]) / STALL_MIN_RATE
+        nbytes = peer.in_flight[0][3]
+        return self.stall_timeout + nbytes / STALL_MIN_RATE
 
     def _is_stalled(self, peer: _Peer, now: float) -> bool:
         idle = now - peer.progress_at
