@@ -73,8 +73,10 @@ def check_pages(pages: np.ndarray, num_pages: int, what: str, room: int = 0) -> 
     """C2: every index must name a page of the registered pool. Never clamps."""
     if pages.size == 0:
         raise PageOutOfRange(f"{what} page list is empty", room=room)
-    if pages.size <= SMALL and 0 <= min(pages.tolist()) and max(pages.tolist()) < num_pages:
-        return  # the common small room, without numpy's per-call overhead
+    if pages.size <= SMALL:
+        values = pages.tolist()
+        if 0 <= min(values) and max(values) < num_pages:
+            return  # the common small room, without numpy's per-call overhead
     bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
     if bad.size:
         at = int(bad[0])

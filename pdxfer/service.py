@@ -157,7 +157,7 @@ class RoomService:
         if isinstance(msg, AllocSlot):
             slots, now = self._aux().slots, self.clock()
             first = slots.allocate(now)
-            more = tuple((s.index, s.generation) for s in (slots.allocate(now) for _ in range(min(msg.count, slots.free_count + 1) - 1)))
+            more = tuple((s.index, s.generation) for s in (slots.allocate(now) for _ in range(min(msg.count - 1, slots.free_count))))
             return SlotGrant(req=msg.req, slot=first.index, generation=first.generation, payload_bytes=self._aux().payload_bytes, more=more)
         if isinstance(msg, FreeSlot):
             self._aux().slots.give_back(msg.slot, msg.generation, self.clock())
