@@ -204,10 +204,10 @@ class LoopSocket:
 
     def _send_batch(self, to: bytes | None, payloads: list[bytes]) -> None:
         frames = self.head(payloads) + payloads
-        if not self.send(frames if to is None else [to, *frames], to):
+        if not self._send(frames if to is None else [to, *frames], to):
             self.on_dropped(to, payloads)
 
-    def send(self, frames, to=None) -> bool:
+    def _send(self, frames, to=None) -> bool:
         """Queue one ZMQ message now, without blocking; False if it could not be
         (peer gone, queue full)."""
         sock = self.sock
