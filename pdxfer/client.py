@@ -506,7 +506,14 @@ class AsyncClient(_Requests):
     async def alloc_slot(self) -> Slot:
         if self._spare:
             return self._spare.popleft()
-        return self._granted(await self._call(self._alloc()))
+        try:
+            return self._granted(await self._call(self._alloc()))
+        except errors.Busy:
+            # Concurrent callers each ask; the first grant can take every free slot,
+            # and its spares are at hand by the time the others hear Busy.
+            if self._spare:
+                return self._spare.popleft()
+            raise
 
     async def free_slot(self, slot: Slot) -> None:
         await self._call(self._free(slot))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import pytest
 import zmq
 
 from pdxfer import config, errors, memory
-from pdxfer.client import Client, KVPool, _Requests
+from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
 from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Ok, RegisterKV, Role, RoomState
@@ -147,3 +148,20 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
         if service.kv is not None:
             service.kv.memory.close()
         pool.close()
+
+
+async def test_concurrent_slot_requests_share_a_grant_instead_of_hearing_busy(daemons):
+    """Engines start many requests at once: the first grant takes every free slot
+    (slot_batch), so the other callers' own requests meet an empty table. They take
+    that grant's spares; before, each slept a Busy retry (20 ms) for nothing."""
+    d = daemons("decode", name="d")
+    client = AsyncClient(d.engine, slot_batch=4)
+    await client.connect()
+    try:
+        await client.create_aux_buffer(4, 64)
+        slots = await asyncio.gather(*(client.alloc_slot() for _ in range(4)))
+        assert len({index for index, _ in slots}) == 4
+        with pytest.raises(errors.Busy):  # a fifth has nothing to share
+            await client.alloc_slot()
+    finally:
+        await client.close()
