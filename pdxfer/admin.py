@@ -81,6 +81,8 @@ def info(daemon, req: int = 0) -> InfoReply:
         "rooms_succeeded": float(service.outcomes["success"]),
         "rooms_failed": float(service.outcomes["failed"]),
         "bytes_received": float(service.bytes_received),
+        "kv_inline_rooms": float(service.kv_inline_rooms),
+        "kv_inline_bytes": float(service.kv_inline_bytes),
     }
     waiting = not_ready(daemon)
     return InfoReply(

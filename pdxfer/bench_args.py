@@ -117,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, default=512, metavar="N",
                    help="baseline writes in flight to the peer, as pdxfer's --peer-window; under the engine's per-peer "
                    "queue of 1024 (default: 512)")
+    g.add_argument("--inline-kv-bytes", type=int, default=None, metavar="N",
+                   help="the pdxfer daemons' --inline-kv-bytes: rooms with at most N bytes of KV send them inside the aux "
+                   "record instead of as transfer-engine writes; 0 sends every byte through the engine, as the baseline "
+                   "does (default: the daemons' default, 65536)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

@@ -12,6 +12,7 @@ FIGURES = (
     ("p90_ms", "p90 ms to Success", "{:.2f}"),
     ("p99_ms", "p99 ms to Success", "{:.2f}"),
     ("blocks_per_room", "blocks submitted per room", "{:.1f}"),
+    ("inline_share", "rooms with KV in aux record", "{:.0%}"),
     ("cpu_s_per_gb", "CPU s per GB moved", "{:.2f}"),
     ("cpu_ms_per_room", "CPU ms per room", "{:.2f}"),
     ("rss_idle_mib", "RSS idle MiB", "{:.0f}"),

@@ -40,6 +40,7 @@ class RunOptions:
     api: str = "submit"  # baseline writer's transfer engine API
     window: int = 512  # baseline writes in flight
     corrupt: bool = False  # flip a destination byte before the check (testing aid)
+    inline_kv_bytes: int | None = None  # the pdxfer daemons' --inline-kv-bytes (None: their default)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RunResult:
     seconds: float = 0.0
     latencies_ms: np.ndarray | None = None
     blocks: int = 0
+    inline_rooms: int | None = None  # rooms whose KV rode the aux record (pdxfer)
     mismatches: int = 0
     cpu_s: float | None = None  # of the two processes that move bytes (daemons, raw engines), over the window
     # Memory of the larger of those two processes, in bytes:
@@ -71,6 +73,7 @@ class RunResult:
             "rooms_per_s": self.ok / self.seconds if self.seconds else None,
             **pct,
             "blocks_per_room": self.blocks / self.rooms if self.rooms else None,
+            "inline_share": self.inline_rooms / self.rooms if self.inline_rooms is not None and self.rooms else None,
             "cpu_s_per_gb": self.cpu_s / gb if self.cpu_s is not None and gb else None,
             "cpu_ms_per_room": self.cpu_s * 1000 / self.ok if self.cpu_s is not None and self.ok else None,
             "rss_idle_mib": mib(self.rss_idle),
@@ -223,6 +226,8 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
 
 def _start_daemons(runtime: str, opts: RunOptions) -> dict:
     flags = ["--log-level", "warning", "--aux-path", opts.aux_path]
+    if opts.inline_kv_bytes is not None:
+        flags += ["--inline-kv-bytes", str(opts.inline_kv_bytes)]
     logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}
     with ThreadPoolExecutor(2) as pool:
         futures = {role: pool.submit(start_daemon, role, runtime, *flags, stderr=logs[role], timeout=60.0) for role in logs}
@@ -306,6 +311,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     planned = int(block_counts(plan).sum())  # the daemon plans with the same function
     if counters is not None:
         result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
+        result.inline_rooms = int(counters["kv_inline_rooms"] - samples["counters"]["kv_inline_rooms"])
         result.extra.update(blocks_from="prefill daemon's counter", blocks_planned=planned,
                             prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
     else:

@@ -28,7 +28,7 @@ import zmq
 
 from . import errors
 from .memory import SharedMemory
-from .plan import layout_regions, pages_to_bytes, pool_bytes
+from .plan import layout_regions, pages_to_bytes, pool_bytes, region_views
 from .protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -99,8 +99,7 @@ class KVPool:
 
     def arrays(self) -> list[np.ndarray]:
         """One uint8 array per region, shaped [num_pages, page_bytes]."""
-        n = self.layout.num_pages
-        return [self.memory.array[r.offset : r.offset + n * r.page_bytes].reshape(n, r.page_bytes) for r in self.regions]
+        return region_views(self.memory.array, self.regions, self.layout.num_pages)
 
     def tensors(self):
         """One torch tensor per region, [num_pages, tokens per page, elements per token],

@@ -25,7 +25,7 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from . import errors
+from . import errors, paths
 from .errors import IllegalTransition, PdxferError
 from .plan import check_pages, pages_from_bytes
 from .pools import compat
@@ -183,6 +183,7 @@ class DecodeService(RoomService):
             name=self.name,
             probe_base=self.probe_base,
             verify_kv=self.config.verify_kv,
+            inline_kv_bytes=paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes),
         )
 
     def on_kv_registered(self) -> None:
@@ -319,6 +320,12 @@ class DecodeService(RoomService):
                 self.fail(room, exc.code, exc.message)
                 return
             aux.write(msg.slot, Stamp(msg.room, msg.generation, msg.length, msg.checksum), msg.payload)
+        if msg.kv:
+            try:
+                self._land_inline_kv(room, w, msg)
+            except PdxferError as exc:
+                self.fail(room, exc.code, exc.message)
+                return
         w.first_check = self.clock()
         self._check_landed(link.endpoint, room, msg)
 
@@ -350,17 +357,34 @@ class DecodeService(RoomService):
             self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
         if room.state.value == "waiting_for_input":
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
-        room.bytes_moved = msg.kv_pages * sum(r.page_bytes for r in self._kv().regions) + HEADER_BYTES + msg.length
+        room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
         self.succeed(room)
         self.send_link(endpoint, RoomAck(room=room.id))
+
+    def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
+        """Write a small room's KV that came inside its record. The room is live and
+        its slot armed for it (checked before), so its pages are still its own, and
+        nothing of it can land later: this is the only write."""
+        kv = self._kv()
+        limit = paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes)
+        if len(msg.kv) > limit:
+            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room.id, side=errors.Side.PEER)
+        self._check_written_pages(room, w, msg)
+        if len(msg.kv) != msg.kv_pages * kv.page_bytes:
+            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room.id, side=errors.Side.PEER)
+        kv.scatter(w.pages[: msg.kv_pages], msg.kv)
+
+    @staticmethod
+    def _check_written_pages(room: Room, w: DecodeWork, msg: AuxRecord) -> None:
+        if msg.kv_pages > w.pages.size:
+            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
 
     def _check_digest(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         if not self.config.verify_kv:
             return
         if not msg.kv_digested:
             raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH)
-        if msg.kv_pages > w.pages.size:
-            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
+        self._check_written_pages(room, w, msg)
         actual = self._kv().digest(w.pages[: msg.kv_pages])
         if actual != msg.kv_digest:
             raise PdxferError(

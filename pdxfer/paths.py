@@ -51,6 +51,20 @@ def choose_aux_path(protocol: str, choice: str) -> AuxPath:
     return AuxPath.TCP
 
 
+def inline_kv_limit(pool_kind: str, configured: int) -> int:
+    """What a decode daemon offers to take inside aux records: only a host pool can
+    be written by the daemon itself."""
+    return configured if pool_kind == "shm" else 0
+
+
+def send_kv_inline(aux_path: AuxPath, pool_kind: str, configured: int, peer_limit: int, nbytes: int) -> bool:
+    """Whether a room's KV rides its aux record. For a few pages one message beats a
+    write per page: each write costs both engines' threads a wake-up and a reply,
+    which is what bounds small rooms. Only where the record goes over TCP anyway, and
+    the daemon can read its pool (host memory)."""
+    return aux_path is AuxPath.TCP and pool_kind == "shm" and 0 < nbytes <= min(configured, peer_limit)
+
+
 def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 

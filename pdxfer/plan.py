@@ -226,3 +226,8 @@ def plan_blocks(
 
 def region_bases(base: int, regions: Sequence[Region]) -> tuple[int, ...]:
     return tuple(base + r.offset for r in regions)
+
+
+def region_views(pool: np.ndarray, regions: Sequence[Region], num_pages: int) -> list[np.ndarray]:
+    """A pool's bytes as one [num_pages, page_bytes] array per region, in layout order."""
+    return [pool[r.offset : r.offset + num_pages * r.page_bytes].reshape(num_pages, r.page_bytes) for r in regions]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import Unsupported
-from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases
+from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases, region_views
 from .protocol import Compat, KVLayout, MemoryHandle
 from .slots import SlotAllocator
 from .stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
@@ -31,15 +31,35 @@ class KVPool:
     def address(self) -> int:
         return self.memory.address
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page index over every region."""
+        return sum(r.page_bytes for r in self.regions)
+
+    def _region_pages(self, what: str) -> list[np.ndarray]:
+        """Each region as a (pages, page_bytes) array, in layout order."""
+        if self.kind != "shm":
+            raise Unsupported(f"{what} needs a host-memory pool (this one is {self.kind})")
+        return region_views(self.memory.array, self.regions, self.layout.num_pages)
+
     def digest(self, pages: np.ndarray) -> int:
         """CRC-32 of the given pages, region by region in layout order."""
-        if self.kind != "shm":
-            raise Unsupported("KV digests (--verify-kv) need host-memory pools")
-        crc, n = 0, self.layout.num_pages
-        for r in self.regions:
-            region = self.memory.array[r.offset : r.offset + n * r.page_bytes].reshape(n, r.page_bytes)
+        crc = 0
+        for region in self._region_pages("a KV digest (--verify-kv)"):
             crc = zlib.crc32(np.take(region, pages, axis=0), crc)
         return crc
+
+    def gather(self, pages: np.ndarray) -> bytes:
+        """The given pages' bytes, region by region in layout order (a room's inline KV)."""
+        return b"".join(np.take(region, pages, axis=0).tobytes() for region in self._region_pages("inline KV"))
+
+    def scatter(self, pages: np.ndarray, data: bytes) -> None:
+        """Write what gather() made into the given pages."""
+        at, flat = 0, np.frombuffer(data, np.uint8)
+        for region in self._region_pages("inline KV"):
+            size = pages.size * region.shape[1]
+            region[pages] = flat[at : at + size].reshape(pages.size, region.shape[1])
+            at += size
 
     @staticmethod
     def required_bytes(layout: KVLayout) -> int:

@@ -289,11 +289,18 @@ class PrefillService(RoomService):
             check_capacity(w.num_tokens, req.num_draft_tokens, w.dst_pages.size, kv.layout.page_size, room.id)
             if req.slot >= dst_hello.aux_slots:
                 raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{dst_hello.aux_slots - 1}", room=room.id)
-            blocks = plan_blocks(kv.regions, kv.bases, dst_hello.region_bases, w.src_pages, w.dst_pages)
+            nbytes = w.src_pages.size * kv.page_bytes
+            inline = paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes)
+            blocks = None if inline else plan_blocks(kv.regions, kv.bases, dst_hello.region_bases, w.src_pages, w.dst_pages)
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
-        room.bytes_planned = blocks.nbytes + HEADER_BYTES + w.aux_bytes
+        room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
+        if blocks is None:  # a few pages: they ride the aux record
+            self.kv_inline_rooms += 1
+            self.kv_inline_bytes += nbytes
+            self._send_aux(room, w, kv.gather(w.src_pages))
+            return
         w.lease_end = self.clock() + self._lease(req)
         w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
@@ -315,6 +322,10 @@ class PrefillService(RoomService):
         if not job.ok:
             self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
             return
+        self._send_aux(room, w)
+
+    def _send_aux(self, room: Room, w: PrefillWork, kv: bytes = b"") -> None:
+        """Every KV block is written, or ``kv`` carries the room's KV: the aux goes (A3)."""
         aux, peer, req = self._aux(), self.peers.get(w.peer), w.request
         if peer is None:
             self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
@@ -325,7 +336,7 @@ class PrefillService(RoomService):
         stamp = stamp_for(room.id, req.generation, payload)
         if self.aux_path is paths.AuxPath.TCP:
             w.job = None
-            self.send_peer(w.peer, self._record(room, w, stamp, payload))
+            self.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
             return
         aux.write_header(room.slot, stamp)
         dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
@@ -333,12 +344,12 @@ class PrefillService(RoomService):
         w.job = Job(room.id, peer.hello.session, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.pump.submit(w.job)
 
-    def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"") -> AuxRecord:
+    def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
         req = w.request
         return AuxRecord(
             room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
             payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
-            kv_pages=w.src_pages.size, kv_digested=w.digest is not None, kv_digest=w.digest or 0,
+            kv_pages=w.src_pages.size, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
         )
 
     def _aux_written(self, job: Job) -> None:

@@ -40,6 +40,8 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 # int32 little-endian page indices; 4 bytes each.
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024 * 1024)]
 AuxPayload = Annotated[bytes, msgspec.Meta(max_length=16 * 1024 * 1024)]
+MAX_INLINE_KV_BYTES = 1024 * 1024  # KV that may ride an aux record instead of the transfer engine
+InlineKV = Annotated[bytes, msgspec.Meta(max_length=MAX_INLINE_KV_BYTES)]
 
 
 class Role(str, enum.Enum):
@@ -345,6 +347,7 @@ class PeerHello(Message, tag="peer_hello"):
     name: str = ""  # stable name of the sender (host/instance): a new incarnation under it replaces the old
     probe_base: Address = 0  # 64 scratch bytes a prefill may write to test its transfer session
     verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
+    inline_kv_bytes: Count = 0  # the most KV this side takes inside an aux record (0: none; its pool is not host memory)
 
 
 class PeerWelcome(Message, tag="peer_welcome"):
@@ -395,6 +398,7 @@ class AuxRecord(Message, tag="aux_record"):
     kv_pages: Count = 0  # how many pages were written in each region
     kv_digested: bool = False  # kv_digest is set (the decode side asked for --verify-kv)
     kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # CRC-32 of those pages, region by region
+    kv: InlineKV = b""  # a small room's KV itself, region by region, page by page, instead of transfer-engine writes
 
 
 class RoomAck(Message, tag="room_ack"):

@@ -98,6 +98,7 @@ class RoomService:
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeat_misses = 0
         self.bytes_received = 0  # decode: KV and aux bytes of rooms that succeeded
+        self.kv_inline_rooms = self.kv_inline_bytes = 0  # prefill: rooms whose KV rode their aux record, and its bytes
         self._last_tick = 0.0
         self.draining = False  # shutting down: no new rooms
         self.registry = None  # registry.Registry with --registry

@@ -33,6 +33,11 @@ def runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Test rooms are a few KiB, which would ride their aux records (--inline-kv-bytes);
+# tests are about the transfer engine unless they say otherwise (test_inline_kv.py).
+ENGINE_PATH = ("--inline-kv-bytes", "0")
+
+
 @pytest.fixture
 def daemons(runtime_dir, tmp_path):
     """Factory: start(role, *flags) -> DaemonProcess; all are stopped at teardown and
@@ -40,6 +45,8 @@ def daemons(runtime_dir, tmp_path):
     started = []
 
     def start(role: str, *flags: str, name: str = "", env: dict | None = None):
+        if "--inline-kv-bytes" not in flags:
+            flags = (*ENGINE_PATH, *flags)
         log = open(tmp_path / f"{name or role}-{len(started)}.log", "w")
         daemon = start_daemon(role, runtime_dir, "--log-level", "info", *flags, name=name, stderr=log, env=env)
         daemon.log_path = log.name

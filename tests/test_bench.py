@@ -138,13 +138,28 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
             assert result["median"]["gbps"] > 0
         # same block lists: the baseline submitted exactly what pdxfer plans
         assert wl["systems"]["baseline"]["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
-        assert wl["ratios"]["pdxfer/baseline"]["blocks_per_room"] == pytest.approx(1.0)
+        pdx = wl["systems"]["pdxfer"]["median"]
+        if name in ("large", "medium"):  # over --inline-kv-bytes: pdxfer wrote those blocks too
+            assert pdx["inline_share"] == 0
+            assert wl["ratios"]["pdxfer/baseline"]["blocks_per_room"] == pytest.approx(1.0)
+        else:  # a few pages: the KV rode the aux record, no engine write
+            assert pdx["inline_share"] == 1.0 and pdx["blocks_per_room"] == 0
         assert wl["systems"]["pdxfer"]["median"]["p99_ms"] is not None
         assert wl["systems"]["pdxfer"]["median"]["cpu_s_per_gb"] is not None
         assert wl["systems"]["pdxfer"]["median"]["rss_idle_mib"] > 0
     unmeasured = {t["target"] for t in report["targets"] if t["met"] is None}
     assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
     assert "rooms" in err and "GB/s" in err  # the progress bar, on stderr
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_bench_with_inline_kv_off_writes_the_baselines_blocks():
+    code, report, err = bench("--workloads", "small", "--systems", "baseline,pdxfer", "--inline-kv-bytes", "0")
+    assert code == 0, err
+    wl = report["workloads"]["small"]
+    assert wl["systems"]["pdxfer"]["median"]["inline_share"] == 0
+    assert wl["ratios"]["pdxfer/baseline"]["blocks_per_room"] == pytest.approx(1.0)
 
 
 @needs_mooncake

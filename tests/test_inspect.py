@@ -46,7 +46,7 @@ from pdxfer.launch import DaemonProcess, start_daemon
 from pdxfer.protocol import RoomState
 from pdxfer.stamp import HEADER_BYTES
 
-from .conftest import needs_mooncake, small_layout
+from .conftest import ENGINE_PATH, needs_mooncake, small_layout
 from .roomkit import engine, free_port, wait_until
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: 4 tokens x 64 bytes per region, 8 regions (4 layers, K and V)
@@ -104,7 +104,7 @@ def scene(tmp_path_factory):
 
     def start(role: str, name: str, *flags: str) -> DaemonProcess:
         log = open(logs / f"{name}.log", "w")
-        daemon = start_daemon(role, runtime_dir, "--log-level", "info", "--drain-timeout", "0.5", *flags, name=name, stderr=log)
+        daemon = start_daemon(role, runtime_dir, "--log-level", "info", "--drain-timeout", "0.5", *ENGINE_PATH, *flags, name=name, stderr=log)
         started.append(daemon)
         return daemon
 

@@ -37,11 +37,12 @@ def test_thousand_rooms_32_in_flight_every_byte_verified(pair):
     assert dec["bytes"] > 0
 
 
-@pytest.mark.parametrize("aux_path", ["tcp", "transfer_engine"])
+@pytest.mark.parametrize("aux_path, inline", [("tcp", "0"), ("tcp", "65536"), ("transfer_engine", "0")])
 @pytest.mark.parametrize("layout", [x.value for x in Layout])
-def test_every_layout_and_aux_path(daemons, layout, aux_path):
-    prefill = daemons("prefill", "--aux-path", aux_path)
-    decode = daemons("decode", "--aux-path", aux_path)
+def test_every_layout_and_aux_path(daemons, layout, aux_path, inline):
+    """Every layout, aux path, and (with the aux record over TCP) KV inline or not."""
+    prefill = daemons("prefill", "--aux-path", aux_path, "--inline-kv-bytes", inline)
+    decode = daemons("decode", "--aux-path", aux_path, "--inline-kv-bytes", inline)
     pre, dec = run_sims(prefill, decode, 48, 16, "--layout", layout, "--seed", "7")
     assert dec["mismatches"] == 0
     assert dec["outcome"] == {"success": 48}, dec["outcome"]

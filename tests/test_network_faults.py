@@ -27,7 +27,7 @@ from pdxfer import errors
 from pdxfer.protocol import RoomState
 
 from . import netns
-from .conftest import needs_mooncake
+from .conftest import ENGINE_PATH, needs_mooncake
 from .faultproxy import FaultProxy
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, room_ids, start_room, send_room, wait_until
 
@@ -72,7 +72,7 @@ def net(runtime_dir, tmp_path, hb_flags):
         ns, addr = (pair.ns_prefill, pair.PREFILL_ADDR) if role == "prefill" else (pair.ns_decode, pair.DECODE_ADDR)
         extra = ("--bootstrap-port", str(BOOTSTRAP_PORT)) if role == "prefill" else ()
         log = open(tmp_path / f"{role}.log", "w")
-        daemon = netns.start_daemon_in(ns, role, runtime_dir, "--host", addr, *extra, *hb_flags, *TIMEOUTS, *flags,
+        daemon = netns.start_daemon_in(ns, role, runtime_dir, "--host", addr, *extra, *hb_flags, *TIMEOUTS, *ENGINE_PATH, *flags,
                                        name=role, stderr=log)
         daemon.log_path = log.name
         started.append(daemon)
