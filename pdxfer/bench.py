@@ -68,6 +68,20 @@ def box_cpu() -> tuple[float, float]:
     return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system
 
 
+def cpu_probe_ms(rounds: int = 5) -> float:
+    """Milliseconds a fixed piece of pure Python takes (best of ``rounds``). Run before
+    and after the benchmark it shows whether the host gave this VM the same CPU speed
+    throughout: on a shared host it can change by half within minutes."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
 def _pages(mib_range: tuple[float, float], page_bytes: int) -> tuple[int, int]:
     low = max(1, math.ceil(mib_range[0] * 2**20 / page_bytes))
     high = max(low, math.floor(mib_range[1] * 2**20 / page_bytes))
@@ -162,13 +176,16 @@ def run_bench(args: argparse.Namespace) -> int:
         plan, path = make_plan(w, args.seed), os.path.join(workdir, f"plan-{w.name}.npz")
         plan.save(path)
         plans[w.name] = (plan, path)
+    probe_before = cpu_probe_ms()
     box_before, wall_before = box_cpu(), time.monotonic()
     runs = run_all(args, workloads, plans, workdir)
     box_after, wall = box_cpu(), time.monotonic() - wall_before
+    probe_after = cpu_probe_ms()
     foreign = max(0.0, (box_after[0] - box_before[0]) - (box_after[1] - box_before[1]))
     report = build_report(args, workloads, plans, runs)
     report["box"] = {"cpus": os.cpu_count(), "seconds": wall, "foreign_cpu_s": foreign,
-                     "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0}
+                     "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0,
+                     "cpu_probe_ms": [probe_before, probe_after]}
     # every run counts here, the baseline APIs that were not picked included
     failures = [(name, key, r.error) for name, by_key in runs.items() for key, rs in by_key.items() for r in rs if r.error]
     bad = [(name, key, n) for name, by_key in runs.items() for key, rs in by_key.items() if (n := sum(r.mismatches for r in rs))]

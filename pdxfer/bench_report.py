@@ -4,6 +4,7 @@ from __future__ import annotations
 
 SYSTEM_ORDER = ("wire", "baseline", "pdxfer")
 BUSY_SHARE = 0.05  # other processes' share of the box above which the figures are flagged
+PROBE_DRIFT = 1.25  # CPU probe slower or faster by this factor at the end than at the start: flagged
 # figure key, label, format
 FIGURES = (
     ("gbps", "GB/s", "{:.2f}"),
@@ -145,6 +146,12 @@ def format_report(report: dict) -> str:
     if box["foreign_share"] > BUSY_SHARE:
         lines.append(f"  WARNING: other processes used {box['foreign_cpu_s']:.0f} CPU-seconds ({box['foreign_share']:.0%} of the box) "
                      "while this ran; the figures are unreliable")
+    before, after = box.get("cpu_probe_ms", (None, None))
+    if before and after:
+        lines.append(f"  CPU probe (fixed pure-Python loop): {before:.1f} ms before, {after:.1f} ms after")
+        if max(before, after) > PROBE_DRIFT * min(before, after):
+            lines.append("  WARNING: this VM's CPU speed changed during the run (host contention); compare ratios within "
+                         "this run only, and absolute figures with care")
     lines.append("")
     for name, wl in report["workloads"].items():
         lines += _workload_table(name, wl) + [""]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.bench_report import format_report
 from pdxfer.cli import build_parser
 from pdxfer.plan import layout_regions
 
@@ -94,6 +95,15 @@ def test_planning_measurement_counts_blocks():
     assert t["blocks"] % 4 == 0 and 0.9 * 4000 <= t["blocks"] <= 4000  # scattered: (nearly) a block per page and region
     assert t["bytes"] == 1000 * 4 * 256
     assert t["plan_s"] >= 0 and t["to_lists_s"] >= 0
+
+
+@pytest.mark.parametrize("probe, warned", [((10.0, 11.0), False), ((10.0, 14.0), True), ((14.0, 10.0), True)])
+def test_report_flags_a_cpu_speed_change_during_the_run(probe, warned):
+    report = {"config": {"repeat": 1, "seed": 1}, "workloads": {}, "sweep": [], "targets": [],
+              "box": {"cpus": 2, "seconds": 9.0, "foreign_cpu_s": 0.0, "foreign_share": 0.0, "cpu_probe_ms": list(probe)}}
+    text = format_report(report)
+    assert f"{probe[0]:.1f} ms before, {probe[1]:.1f} ms after" in text
+    assert ("CPU speed changed" in text) is warned
 
 
 def test_every_bench_flag_is_explained():
