@@ -26,15 +26,11 @@ class KVPool:
     def __post_init__(self) -> None:
         self.regions: tuple[Region, ...] = layout_regions(self.layout)
         self.bases = region_bases(self.memory.address, self.regions)
+        self.page_bytes = sum(r.page_bytes for r in self.regions)  # one page index over every region
 
     @property
     def address(self) -> int:
         return self.memory.address
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page index over every region."""
-        return sum(r.page_bytes for r in self.regions)
 
     def _region_pages(self, what: str) -> list[np.ndarray]:
         """Each region as a (pages, page_bytes) array, in layout order."""

@@ -150,8 +150,7 @@ class PrefillService(RoomService):
         w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
         self.rooms.apply(room, Event.INPUT_READY, self.clock())
         if room.state.value == "transferring":
-            self.send_peer(w.peer, TransferStarted(room=room.id))
-            self._start(room, w)
+            self._start(room, w, announce=True)
         return Ok(req=msg.req)
 
     # --- bootstrap channel
@@ -275,8 +274,10 @@ class PrefillService(RoomService):
         if room.state.value == "transferring":
             self._start(room, w)
 
-    def _start(self, room: Room, w: PrefillWork) -> None:
-        """Both halves are in: check everything, plan, and hand the blocks to the pump."""
+    def _start(self, room: Room, w: PrefillWork, announce: bool = False) -> None:
+        """Both halves are in: check everything, plan, and hand the blocks to the pump.
+        ``announce``: the decode side still waits for our input; tell it writes begin
+        (an inline room's aux record, sent at once, tells it instead)."""
         kv = self._kv()
         peer = self.peers.get(w.peer)
         req = w.request
@@ -296,6 +297,8 @@ class PrefillService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
+        if announce and blocks is not None:
+            self.send_peer(w.peer, TransferStarted(room=room.id))
         if blocks is None:  # a few pages: they ride the aux record
             self.kv_inline_rooms += 1
             self.kv_inline_bytes += nbytes
