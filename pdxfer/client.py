@@ -182,6 +182,19 @@ class _Requests:
     def _gone(self) -> str:
         return f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"
 
+    def _incoming(self, raw: bytes) -> Message | None:
+        """Decode one message from the daemon: a pushed room status (req 0) is recorded
+        and handed to _pushed; anything else is a reply, returned."""
+        msg = self.codec.engine_replies.decode(raw)
+        if isinstance(msg, RoomStatus) and msg.req == 0:
+            self._status[msg.room] = msg
+            self._pushed(msg)
+            return None
+        return msg
+
+    def _pushed(self, status: RoomStatus) -> None:
+        """A room status the daemon pushed (nothing to do unless someone waits on it)."""
+
     def _kv_version(self, memory_version: int | None) -> int:
         if memory_version is not None:
             return memory_version
@@ -301,16 +314,8 @@ class Client(_Requests):
         self.close()
 
     def _take(self, frames: list[bytes]) -> list[Message]:
-        """Decode one incoming ZMQ message (one or more messages): pushed room
-        statuses are recorded, replies returned."""
-        replies = []
-        for raw in frames:
-            msg = self.codec.engine_replies.decode(raw)
-            if isinstance(msg, RoomStatus) and msg.req == 0:
-                self._status[msg.room] = msg
-            else:
-                replies.append(msg)
-        return replies
+        """The replies in one incoming ZMQ message (pushed statuses are recorded)."""
+        return [msg for raw in frames if (msg := self._incoming(raw)) is not None]
 
     def _call(self, msg: Message):
         self._sock.send(self.codec.encode(msg))
@@ -452,16 +457,15 @@ class AsyncClient(_Requests):
 
     def _read(self, frames: list[bytes]) -> None:
         for raw in frames:
-            msg = self.codec.engine_replies.decode(raw)
-            if isinstance(msg, RoomStatus) and msg.req == 0:
-                self._status[msg.room] = msg
-                if settled(msg):
-                    for fut in self._waiters.pop(msg.room, ()):
-                        _resolve(fut, msg)
-                continue
-            fut = self._pending.pop(getattr(msg, "req", 0), None)
+            msg = self._incoming(raw)
+            fut = None if msg is None else self._pending.pop(getattr(msg, "req", 0), None)
             if fut is not None:
                 _resolve(fut, msg)
+
+    def _pushed(self, status: RoomStatus) -> None:
+        if settled(status):
+            for fut in self._waiters.pop(status.room, ()):
+                _resolve(fut, status)
 
     def _dropped(self, to, payloads: list[bytes]) -> None:
         """Requests the socket could not queue (its queue to the daemon is full)."""

@@ -297,13 +297,13 @@ class PrefillService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
-        if announce and blocks is not None:
-            self.send_peer(w.peer, TransferStarted(room=room.id))
-        if blocks is None:  # a few pages: they ride the aux record
+        if inline:  # a few pages: they ride the aux record
             self.kv_inline_rooms += 1
             self.kv_inline_bytes += nbytes
             self._send_aux(room, w, kv.gather(w.src_pages))
             return
+        if announce:
+            self.send_peer(w.peer, TransferStarted(room=room.id))
         w.lease_end = self.clock() + self._lease(req)
         w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
