@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from pdxfer.errors import BadMessage
-from pdxfer.wire import MAX_BATCH, Dealer, Router, Seal, Unauthenticated
+from pdxfer.wire import MAX_BATCH, SEND_AT, Dealer, Router, Seal, Unauthenticated
 
 
 @pytest.fixture
@@ -57,12 +57,13 @@ async def test_posts_of_one_turn_leave_as_one_message_per_destination_in_order(s
 
 async def test_a_full_batch_leaves_at_once_and_the_rest_follows(sockets):
     router, dealer, at_router, _ = sockets()
-    for i in range(MAX_BATCH + 3):
+    n = 3 * SEND_AT + 3
+    for i in range(n):
         dealer.post(i.to_bytes(4, "little"))
-    await _until(lambda: sum(len(frames) for _, frames in at_router) == MAX_BATCH + 3)
-    assert [len(frames) for _, frames in at_router] == [MAX_BATCH, 3]
+    await _until(lambda: sum(len(frames) for _, frames in at_router) == n)
+    assert [len(frames) for _, frames in at_router] == [SEND_AT] * 3 + [3]
     got = [int.from_bytes(f, "little") for _, frames in at_router for f in frames]
-    assert got == list(range(MAX_BATCH + 3))
+    assert got == list(range(n))
 
 
 async def test_a_big_message_is_not_held_for_the_end_of_the_turn(sockets):
