@@ -48,6 +48,7 @@ from .protocol import (
     RoomAck,
     RoomFailed,
     RoomRequest,
+    RoomState,
     TransferStarted,
     compat_hash,
 )
@@ -330,19 +331,21 @@ class DecodeService(RoomService):
         self._check_landed(link.endpoint, room, msg)
 
     def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord) -> None:
-        """Check the bytes that landed: the stamp in the slot and the KV digest. A
-        write reported complete may not be visible yet (asynchronous paths), so a
-        mismatch is re-checked until visibility_grace has passed; never Success before."""
+        """Check the bytes that landed: the stamp in the slot (when the transfer
+        engine wrote it) and the KV digest. A write reported complete may not be
+        visible yet (asynchronous paths), so a mismatch is re-checked until
+        visibility_grace has passed; never Success before."""
         if room.finished or self.rooms.find(room.id) is not room:
             return
         aux, w = self._aux(), self.work[room.id]
         try:
-            sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-            landed = aux.header(msg.slot)
-            verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation,
-                   payload=aux.payload(msg.slot, landed.length if landed else 0))
-            if landed != sent:
-                raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
+            if msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
+                landed = aux.header(msg.slot)
+                verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation,
+                       payload=aux.payload(msg.slot, landed.length if landed else 0))
+                if landed != sent:
+                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
             self._check_digest(room, w, msg)
         except PdxferError as exc:
             waited = self.clock() - w.first_check
@@ -353,9 +356,9 @@ class DecodeService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         aux.slots.mark_written(msg.slot, msg.generation, self.clock())
-        if room.state.value == "bootstrapping":  # the prefill had its input already: no room_accepted came
+        if room.state is RoomState.BOOTSTRAPPING:  # the prefill had its input already: no room_accepted came
             self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
-        if room.state.value == "waiting_for_input":
+        if room.state is RoomState.WAITING_FOR_INPUT:
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
         room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
         self.succeed(room)

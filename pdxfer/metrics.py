@@ -10,7 +10,6 @@ prometheus_client call (those cost several microseconds each).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -44,18 +43,19 @@ class Histogram:
 class Metrics:
     def __init__(self, daemon) -> None:
         self.daemon = daemon
-        self.transitions: Counter[str] = Counter()
-        self.state_seconds = {state.value: Histogram() for state in RoomState}
+        self.transitions = dict.fromkeys(RoomState, 0)  # keyed by the enum: .value costs ~0.2 us per room event
+        self.state_seconds = {state: Histogram() for state in RoomState}
         self.success_seconds = Histogram()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
 
     def observe(self, room: Room, left: RoomState | None, now: float) -> None:
         """RoomTable observer: one call per state change."""
-        self.transitions[room.state.value] += 1
+        state = room.state
+        self.transitions[state] += 1
         if left is not None and len(room.history) >= 2:
-            self.state_seconds[left.value].observe(now - room.history[-2][1])
-        if room.state is RoomState.SUCCESS:
+            self.state_seconds[left].observe(now - room.history[-2][1])
+        if state is RoomState.SUCCESS:
             self.success_seconds.observe(now - room.created)
 
     def render(self) -> bytes:
@@ -74,13 +74,13 @@ class _Collector:
         service, pump = metrics.daemon.service, metrics.daemon.pump
         transitions = CounterMetricFamily("pdxfer_room_transitions", "Rooms entering each state", labels=["state"])
         for state in RoomState:
-            transitions.add_metric([state.value], metrics.transitions[state.value])
+            transitions.add_metric([state.value], metrics.transitions[state])
         yield transitions
         state_seconds = HistogramMetricFamily(
             "pdxfer_room_state_seconds", "Time rooms spent in a state before leaving it", labels=["state"]
         )
         for state, histogram in metrics.state_seconds.items():
-            state_seconds.add_metric([state], histogram.buckets(), histogram.total)
+            state_seconds.add_metric([state.value], histogram.buckets(), histogram.total)
         yield state_seconds
         success = HistogramMetricFamily("pdxfer_room_success_seconds", "Time from a room's creation to Success")
         success.add_metric([], metrics.success_seconds.buckets(), metrics.success_seconds.total)

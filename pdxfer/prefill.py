@@ -53,6 +53,7 @@ from .protocol import (
     RoomAck,
     RoomFailed,
     RoomRequest,
+    RoomState,
     Send,
     TransferStarted,
     compat_diff,
@@ -149,7 +150,7 @@ class PrefillService(RoomService):
         w.engine, w.src_pages, w.num_tokens = identity, src.copy(), msg.num_tokens
         w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
         self.rooms.apply(room, Event.INPUT_READY, self.clock())
-        if room.state.value == "transferring":
+        if room.state is RoomState.TRANSFERRING:
             self._start(room, w, announce=True)
         return Ok(req=msg.req)
 
@@ -271,7 +272,7 @@ class PrefillService(RoomService):
         peer.rooms.add(room.id)
         self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
         self.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=room.has_input))
-        if room.state.value == "transferring":
+        if room.state is RoomState.TRANSFERRING:
             self._start(room, w)
 
     def _start(self, room: Room, w: PrefillWork, announce: bool = False) -> None:
