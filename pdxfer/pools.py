@@ -39,7 +39,8 @@ class KVPool:
         return region_views(self.memory.array, self.regions, self.layout.num_pages)
 
     def digest(self, pages: np.ndarray) -> int:
-        """CRC-32 of the given pages, region by region in layout order."""
+        """CRC-32 of the given pages, region by region in layout order: of the
+        bytes gather() returns for them."""
         crc = 0
         for region in self._region_pages("a KV digest (--verify-kv)"):
             crc = zlib.crc32(np.take(region, pages, axis=0), crc)

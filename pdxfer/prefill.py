@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import msgspec
@@ -334,8 +335,8 @@ class PrefillService(RoomService):
         if peer is None:
             self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
             return
-        if peer.hello.verify_kv or self.config.verify_kv:
-            w.digest = self._kv().digest(w.src_pages)
+        if peer.hello.verify_kv or self.config.verify_kv:  # of inline KV, without gathering it again
+            w.digest = zlib.crc32(kv) if kv else self._kv().digest(w.src_pages)
         payload = aux.payload(room.slot, w.aux_bytes)
         stamp = stamp_for(room.id, req.generation, payload)
         if self.aux_path is paths.AuxPath.TCP:

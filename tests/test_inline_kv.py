@@ -6,6 +6,8 @@ or that does not fit the room."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -62,7 +64,7 @@ def test_gather_then_scatter_puts_every_byte_back_in_its_page(layout):
         data = src.gather(src_pages)
         assert len(data) == src_pages.size * src.page_bytes
         dst.scatter(dst_pages, data)
-        assert dst.digest(dst_pages) == src.digest(src_pages)
+        assert dst.digest(dst_pages) == src.digest(src_pages) == zlib.crc32(data)  # the prefill digests inline KV from its bytes
         untouched = np.setdiff1d(np.arange(kv_layout.num_pages), dst_pages)
         assert not any(region[untouched].any() for region in region_views(dst_mem.array, dst.regions, kv_layout.num_pages))
     finally:
@@ -95,6 +97,26 @@ def test_small_rooms_ride_the_aux_record_and_big_ones_the_transfer_engine(daemon
         big.check_bytes()
         counters = daemon_counters(prefill)
         assert counters["blocks_submitted"] > 0 and counters["kv_inline_rooms"] == 4, counters
+    finally:
+        cp.close()
+        cd.close()
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_with_verify_kv_an_inline_room_is_digested_from_the_bytes_it_carries(daemons):
+    """The prefill digests inline KV from the record's bytes, not by reading its pages
+    again; the decode daemon digests the pages it wrote. They must agree."""
+    flags = ["--inline-kv-bytes", "4096", "--verify-kv"]
+    prefill, decode = daemons("prefill", *flags), daemons("decode", *flags)
+    cp, cd = engine(prefill), engine(decode)
+    try:
+        cases = [start_room(cp, cd, prefill.bootstrap, 20 + i, [5 * i, 5 * i + 2][: 1 + i % 2], [60 + i, 90 - i][: 1 + i % 2], seed=i) for i in range(3)]
+        for case in cases:
+            status = cd.wait(case.id, timeout=10 + SLACK)
+            assert status.state is RoomState.SUCCESS, status
+            case.check_bytes()
+        assert daemon_counters(prefill)["kv_inline_rooms"] == 3
     finally:
         cp.close()
         cd.close()
