@@ -1,9 +1,12 @@
-"""``pdxfer bench`` flags. Standard library only, so ``pdxfer --help`` stays fast;
-the benchmark itself (pdxfer.bench) is imported when the command runs."""
+"""``pdxfer bench`` flags. Standard library and pdxfer.config only (the CLI loads
+both anyway), so ``pdxfer --help`` stays fast; the benchmark itself (pdxfer.bench)
+is imported when the command runs."""
 
 from __future__ import annotations
 
 import argparse
+
+from .config import INLINE_KV_BYTES
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
@@ -120,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inline-kv-bytes", type=int, default=None, metavar="N",
                    help="the pdxfer daemons' --inline-kv-bytes: rooms with at most N bytes of KV send them inside the aux "
                    "record instead of as transfer-engine writes; 0 sends every byte through the engine, as the baseline "
-                   "does (default: the daemons' default, 65536)")
+                   f"does (default: the daemons' default, {INLINE_KV_BYTES})")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

@@ -16,6 +16,7 @@ import msgspec
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
 ENV_PREFIX = "PDXFER_"
+INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
 
 Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
 AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
@@ -91,7 +92,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         _doc("a room with at most this many bytes of KV sends them inside its aux record over the bootstrap channel "
              "instead of as transfer-engine writes, when both pools are host memory and aux travels over tcp; decode: "
              "the most it accepts (0: never)", ge=0, le=MAX_INLINE_KV_BYTES),
-    ] = 64 * 1024
+    ] = INLINE_KV_BYTES
     verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
     visibility_grace: Annotated[
         float, _doc("seconds the decode side re-checks an aux stamp or KV digest that does not match yet, before failing the room", ge=0)
