@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +130,40 @@ def test_over_limit_batch_through_the_real_engine_is_survived(daemons):
     assert "pushed an over-limit batch" in log and "queue-full rejection" in log, log[-3000:]
     if "probe of the transfer session" in log or "stalled" in log:  # the session broke or wedged this time
         assert "works again after the reset" in log, log[-3000:]
+
+
+def test_engines_replaced_by_resets_are_kept_to_a_bound_and_writes_go_on():
+    """Each reset keeps the replaced engine alive (its writes may still be in flight),
+    but only the newest RETIRED_KEPT: each holds threads and descriptors, and a
+    long-lived daemon sees a reset per peer restart."""
+    from pdxfer.transport import Status
+    from pdxfer.transport.mooncake import RETIRED_KEPT, MooncakeTransport
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    writer, target = MooncakeTransport("127.0.0.1"), MooncakeTransport("127.0.0.1")
+    src, dst = np.arange(4096, dtype=np.uint8) % 251, np.zeros(4096, np.uint8)
+    try:
+        target.start()
+        target.register(int(dst.ctypes.data), dst.nbytes)
+        writer.start()
+        writer.register(int(src.ctypes.data), src.nbytes)
+        for _ in range(RETIRED_KEPT):
+            writer.reset()
+        at_bound = threads()
+        for _ in range(3):
+            writer.reset()
+        assert threads() <= at_bound, "replaced engines beyond the bound were kept"
+        (handle,) = writer.submit(target.session, [int(src.ctypes.data)], [int(dst.ctypes.data)], [src.nbytes])
+        deadline, status = time.monotonic() + 10, Status.PENDING
+        while status is Status.PENDING and time.monotonic() < deadline:  # a settled handle is gone: poll it once
+            status = writer.poll(handle)
+            time.sleep(0.01)
+        assert status is Status.DONE and (dst == src).all()
+    finally:
+        writer.close()
+        target.close()
 
 
 def test_broken_session_is_probed_and_the_engine_recreated(daemons):

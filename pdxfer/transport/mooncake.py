@@ -31,6 +31,11 @@ _STATUS = {1: Status.DONE, 0: Status.PENDING, -1: Status.FAILED, -2: Status.FAIL
 SCRATCH_BYTES = 4096
 PROBE_TIMEOUT = 2.0
 DEFAULT_TCP_QUEUE = 1024  # the engine's per-peer queue unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise
+# Engines replaced by a reset stay alive, so tearing one down cannot race the writes it
+# still had in flight; each holds 2 threads and ~5 descriptors, so a daemon that outlives
+# hundreds of peer restarts would run out of descriptors. Past this many the oldest goes:
+# its writes ended resets ago, and its destructor holds the interpreter ~0.5-1 s here.
+RETIRED_KEPT = 8
 
 
 def peer_queue_limit(protocol: str, env) -> int | None:
@@ -71,7 +76,7 @@ class MooncakeTransport:
         self.session = ""
         self.resets = 0
         self._engine = None
-        self._retired: list = []  # replaced engines, kept so their teardown cannot race live writes
+        self._retired: list = []  # replaced engines, the newest RETIRED_KEPT
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
         self._scratch = np.zeros(SCRATCH_BYTES, np.uint8)
@@ -141,7 +146,13 @@ class MooncakeTransport:
             self._engine = engine
             self.session = self._session_name(engine)
             self.resets += 1
+            oldest = self._retired[:-RETIRED_KEPT]
+            del self._retired[:-RETIRED_KEPT]
         log.warning("transfer engine re-created (reset %d); new session %s", self.resets, self.session)
+        if oldest:
+            started = time.monotonic()
+            oldest.clear()
+            log.warning("destroyed the transfer engine replaced %d resets ago (took %.2fs)", RETIRED_KEPT, time.monotonic() - started)
         return self.session
 
     def close(self) -> None:
