@@ -248,6 +248,14 @@ class LoopSocket:
         sock.close(CLOSE_LINGER if posted else 0)
 
 
+def _close_watched(io: LoopSocket, monitor: LoopSocket | None) -> None:
+    """Stop a socket's monitor, if it has one, then close the socket."""
+    if monitor is not None:
+        io.sock.disable_monitor()
+        monitor.close()
+    io.close()
+
+
 def _monitor(sock: zmq.Socket, events: int, on_event: Callable[[int], None], name: str) -> LoopSocket:
     """A loop-driven monitor of ``sock``: on_event(zmq event number)."""
     return LoopSocket(sock.get_monitor_socket(events), lambda frames: on_event(parse_monitor_message(frames)["event"]), name)
@@ -300,9 +308,7 @@ class Router:
 
     def close(self) -> None:
         if self._io is not None:
-            self._io.sock.disable_monitor()
-            self._monitor.close()
-            self._io.close()
+            _close_watched(self._io, self._monitor)
             self._io = None
         if self.bound.startswith("ipc://"):
             try:
@@ -358,10 +364,6 @@ class Dealer:
             self._io.post(payload)
 
     def close(self) -> None:
-        if self._io is None:
-            return
-        if self._monitor is not None:
-            self._io.sock.disable_monitor()
-            self._monitor.close()
-        self._io.close()
-        self._io = None
+        if self._io is not None:
+            _close_watched(self._io, self._monitor)
+            self._io = None
