@@ -9,8 +9,9 @@ relies on: when a job's callback runs, no write of that job can still land.
 Faults. The transfer engine rejects writes past a peer's queue limit, and a session
 can break inside it. A failed write halves that peer's window (it grows back by one
 per window of completed writes) and marks the peer suspect: once its writes drained,
-the pump probes it with a small write; if the probe fails, it drains every peer,
-re-creates the transport (``Transport.reset``) and probes again. A failed block is
+the pump probes it with a small write before it sends it more; if the probe fails,
+it drains every peer, re-creates the transport (``Transport.reset``) and probes
+again. A failed block is
 written again (writes are idempotent: same bytes, same place) up to a per-job
 budget; a job that exhausts it fails, and only its room fails.
 
@@ -188,7 +189,10 @@ class TransferPump:
             if peer.in_flight and self._is_stalled(peer, now) and not self._reset_wanted:
                 self._stalled(peer_name, peer)
                 progressed = True
-            if peer.suspect and not peer.in_flight and not self._reset_wanted:
+            # Checked only with jobs waiting for it: a peer whose rooms all ended (a
+            # decode daemon that died) would cost a failed probe, then a reset that
+            # pauses every peer and leaves one more retired engine.
+            if peer.suspect and peer.jobs and not peer.in_flight and not self._reset_wanted:
                 self._check(peer_name, peer)
                 progressed = True
             if not peer.suspect and not self._reset_wanted:

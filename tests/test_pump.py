@@ -54,6 +54,8 @@ class FakeTransport:
         self.settled: dict[int, Status] = {}  # src -> how it ended
         self.polls = 0
         self.resets = 0
+        self.probes: list[str] = []  # peers probed, in order
+        self.dead: set[str] = set()  # peers whose probe fails
         self.violations: list[str] = []
         self._ids = itertools.count(1)
 
@@ -72,7 +74,8 @@ class FakeTransport:
         pass
 
     def probe(self, peer: str, dst: int) -> bool:
-        return True
+        self.probes.append(peer)
+        return peer not in self.dead
 
     def reset(self) -> str:
         """A new engine: writes held by the old one are out of the pump's hands."""
@@ -365,6 +368,30 @@ async def test_a_big_write_gets_longer_before_it_counts_as_a_stall(make_harness)
     assert not big_done.done() and not big.abandoned
     h.fake.release(1000)
     assert (await asyncio.wait_for(big_done, WAIT)).ok
+    h.check()
+
+
+async def test_a_failed_peer_with_nothing_left_to_send_is_neither_probed_nor_reset(make_harness):
+    """A decode daemon died: a write to it failed and its room was cancelled. With
+    nothing left for it, the pump neither probes it nor re-creates the engine (which
+    would pause every other peer); a later job for it is probed first."""
+    h = make_harness(window=2)
+    h.fake.dead.add("p")
+    job, done = h.job("p", 3, b0="fail", b1="hold")
+    job.probe = 1  # where the probe writes; without one the pump trusts the session
+    h.pump.start()
+    h.pump.submit(job)
+    await until(lambda: 1000 in h.fake.settled)
+    h.pump.cancel(job)
+    h.fake.release(1001)
+    await asyncio.wait_for(done, WAIT)
+    await asyncio.sleep(0.2)  # nothing in flight, so no polls to count: time for a probe that must not come
+    assert h.fake.probes == [] and h.fake.resets == 0
+    later, later_done = h.job("p", 1)
+    h.pump.submit(later)
+    await asyncio.wait_for(later_done, WAIT)
+    assert h.fake.probes == ["p", "p"] and h.fake.resets == 1  # probed, reset, probed again
+    assert "broken" in later.error and h.fake.sent_to("p") == [1000, 1001]
     h.check()
 
 
