@@ -127,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",
-                   help="page indices to plan for the planning-time figure, once per layout; 0 skips it (default: 1000000)")
+                   help="page indices to plan for the planning-time figure, once per layout, compared with moving them at "
+                   "pdxfer's best large or medium rate (without those, no share is given); 0 skips it (default: 1000000)")
     g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="limit for one run of one workload on one system (default: 300)")
     g.add_argument("--workdir", default="", metavar="DIR",

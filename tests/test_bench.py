@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.bench import planning_figures
 from pdxfer.bench_report import format_report
 from pdxfer.cli import build_parser
 from pdxfer.plan import layout_regions
@@ -95,6 +96,17 @@ def test_planning_measurement_counts_blocks():
     assert t["blocks"] % 4 == 0 and 0.9 * 4000 <= t["blocks"] <= 4000  # scattered: (nearly) a block per page and region
     assert t["bytes"] == 1000 * 4 * 256
     assert t["plan_s"] >= 0 and t["to_lists_s"] >= 0
+
+
+@pytest.mark.parametrize("measured, rate", [({"small": 0.1}, None), ({"small": 0.1, "medium": 1.5, "large": 2.0}, 2.0), ({"medium": 1.5}, 1.5)])
+def test_planning_is_compared_with_large_or_medium_rates_only(measured, rate):
+    """Small rooms' GB/s is bound by messages: against it planning would look cheap."""
+    args = build_parser().parse_args(["bench", "--plan-indices", "1000", "--layers", "2"])
+    report = {"workloads": {name: {"systems": {"pdxfer": {"median": {"gbps": gbps}}}} for name, gbps in measured.items()}}
+    planning = planning_figures(args, report)
+    assert planning["at_gbps"] == rate
+    for t in planning["layouts"].values():
+        assert (t["plan_share"] is None) is (rate is None)
 
 
 @pytest.mark.parametrize("probe, warned", [((10.0, 11.0), False), ((10.0, 14.0), True), ((14.0, 10.0), True)])
