@@ -313,20 +313,16 @@ class DecodeService(RoomService):
             if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
                 self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
             return
-        if not msg.via_transfer_engine:
-            try:
-                verify(Stamp(msg.room, msg.generation, msg.length, msg.checksum), slot=msg.slot, expected_room=room.id,
-                       expected_generation=room.generation, payload=msg.payload)
-            except PdxferError as exc:
-                self.fail(room, exc.code, exc.message)
-                return
-            aux.write(msg.slot, Stamp(msg.room, msg.generation, msg.length, msg.checksum), msg.payload)
-        if msg.kv:
-            try:
+        try:
+            if not msg.via_transfer_engine:  # the record carries the aux itself: check it, then write it
+                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
+                verify(sent, slot=msg.slot, expected_room=room.id, expected_generation=room.generation, payload=msg.payload)
+                aux.write(msg.slot, sent, msg.payload)
+            if msg.kv:
                 self._land_inline_kv(room, w, msg)
-            except PdxferError as exc:
-                self.fail(room, exc.code, exc.message)
-                return
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return
         w.first_check = self.clock()
         self._check_landed(link.endpoint, room, msg)
 
