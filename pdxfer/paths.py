@@ -61,8 +61,8 @@ def send_kv_inline(aux_path: AuxPath, pool_kind: str, configured: int, peer_limi
     """Whether a room's KV rides its aux record. For a few pages one message beats a
     write per page: each write costs both engines' threads a wake-up and a reply,
     which is what bounds small rooms. Only where the record goes over TCP anyway, and
-    the daemon can read its pool (host memory)."""
-    return aux_path is AuxPath.TCP and pool_kind == "shm" and 0 < nbytes <= min(configured, peer_limit)
+    the daemon can read its pool (host memory), as for what it takes (inline_kv_limit)."""
+    return aux_path is AuxPath.TCP and 0 < nbytes <= min(inline_kv_limit(pool_kind, configured), peer_limit)
 
 
 def device_kind(device: str) -> str:
