@@ -11,9 +11,8 @@ can break inside it. A failed write halves that peer's window (it grows back by 
 per window of completed writes) and marks the peer suspect: once its writes drained,
 the pump probes it with a small write before it sends it more; if the probe fails,
 it drains every peer, re-creates the transport (``Transport.reset``) and probes
-again. A failed block is
-written again (writes are idempotent: same bytes, same place) up to a per-job
-budget; a job that exhausts it fails, and only its room fails.
+again. A failed block is written again (writes are idempotent: same bytes, same
+place) up to a per-job budget; a job that exhausts it fails, and only its room fails.
 
 A session can also wedge: after an over-limit batch this engine sometimes leaves
 every later write to that peer pending, never done nor failed. When no write to a

@@ -134,8 +134,8 @@ def _no_head(payloads: list[bytes]) -> list[bytes]:
 class LoopSocket:
     """A plain ZMQ socket whose incoming messages the event loop hands to
     ``on_message`` as they arrive, and whose posted messages leave in batches (one
-    ZMQ message per destination per turn of the loop, or per SEND_AT messages). A callback's exception is
-    logged and counted (``errors``) and the socket goes on (H1)."""
+    ZMQ message per destination per turn of the loop, or per SEND_AT messages). A
+    callback's exception is logged and counted (``errors``) and the socket goes on (H1)."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str, head: Head = _no_head) -> None:
         self.sock = sock
