@@ -70,7 +70,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         int, _doc("transfer-engine writes in flight per peer; kept well under the engine's per-peer queue (1024 for tcp)", ge=1, le=65535)
     ] = 512
     max_message_bytes: Annotated[int, _doc("largest engine or peer message accepted, in bytes", ge=4096)] = 64 * 1024 * 1024
-    engine_queue: Annotated[int, _doc("ZMQ messages queued per socket before further ones are refused or dropped (the high-water mark); each carries up to 8 of ours, more when a sender batches more", ge=1)] = 4096
+    engine_queue: Annotated[int, _doc("ZMQ messages queued per engine or admin socket before further ones are refused or dropped (the high-water mark); each carries up to 8 of ours, more when a sender batches more. A bootstrap connection queues up to twice max_message_bytes instead", ge=1)] = 4096
     bootstrap_timeout: Annotated[float, _doc("seconds a room may stay Bootstrapping", gt=0)] = 30.0
     waiting_timeout: Annotated[float, _doc("seconds a room may stay WaitingForInput", gt=0)] = 120.0
     transfer_timeout: Annotated[float, _doc("seconds a room may stay Transferring", gt=0)] = 30.0

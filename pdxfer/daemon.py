@@ -34,7 +34,8 @@ from .registry import DaemonRecord, Registry
 from .protocol import Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Transport
-from .wire import MAX_BATCH, Dealer, Router, Seal, Unauthenticated
+from .peer_channel import PeerLink, PeerServer
+from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
 
@@ -65,8 +66,8 @@ class Daemon:
         self.seal = Seal(self.incarnation)
         self._ctx: zmq.Context | None = None
         self._engine: Router | None = None
-        self._bootstrap: Router | None = None
-        self._links: dict[str, Dealer] = {}
+        self._bootstrap: PeerServer | None = None
+        self._links: dict[str, PeerLink] = {}
         self._tasks: list[asyncio.Task] = []
         self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -86,15 +87,18 @@ class Daemon:
                     self.transport = make_transport(cfg)
                 self.session = await loop.run_in_executor(None, self.transport.start)
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
-                self._bootstrap = Router(self._ctx, f"tcp://{cfg.host}:{cfg.bootstrap_port}", cfg.max_message_bytes, cfg.engine_queue)
-                bound = self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
+                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes)
+                self._bootstrap.on_error = self._peer_handler_failed
+                bound = await self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout)
         self.service = self._make_service()
-        # Engines and operators are let in only now that the service exists.
+        # Peers, engines and operators are let in only now that the service exists.
+        if self._bootstrap is not None:
+            await self._bootstrap.serve()
         self.engine_endpoint = self._engine.start(loop, self._on_engine)
         self.admin_endpoint = self._admin.start(loop, self._on_admin, self._envelope)
         self.pump.on_reset = self._transport_reset
@@ -376,14 +380,15 @@ class Daemon:
 
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
-        dealer = Dealer(self._ctx, endpoint, self.incarnation.encode(), cfg.max_message_bytes, cfg.engine_queue)
-        dealer.start(
+        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes)
+        link.on_error = self._peer_handler_failed
+        link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),
             lambda event: self.service.on_connection(endpoint, event),
             self._envelope,
         )
-        self._links[endpoint] = dealer
+        self._links[endpoint] = link
 
     def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
         try:
@@ -395,15 +400,18 @@ class Daemon:
         for payload in payloads:
             self.service.on_link(endpoint, incarnation, payload)
 
+    def _peer_handler_failed(self) -> None:
+        self.service.count_failure("task:peer-message")
+
     def _close_link(self, endpoint: str) -> None:
-        dealer = self._links.pop(endpoint, None)
-        if dealer is not None:
-            dealer.close()
+        link = self._links.pop(endpoint, None)
+        if link is not None:
+            link.close()
 
     def _send_link(self, endpoint: str, message: Message) -> None:
-        dealer = self._links.get(endpoint)
-        if dealer is not None:
-            dealer.post(self.codec.encode(message))
+        link = self._links.get(endpoint)
+        if link is not None:
+            link.post(self.codec.encode(message))
 
 
 def read_secret(path: str) -> bytes:

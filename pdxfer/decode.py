@@ -2,7 +2,7 @@
 and declare Success only when the aux record's stamp (and, with --verify-kv, the KV
 digest) verifies against what this side expects (A1, S3).
 
-One link (a ZMQ DEALER, opened by the daemon) per prefill bootstrap address. The
+One link (a peer_channel.PeerLink, opened by the daemon) per prefill bootstrap address. The
 first message on a link, and the first after every re-registration, is a
 PeerHello describing this side's pools. Every link heartbeats; a prefill that stops
 answering, drops its connection, or answers under a new incarnation is declared dead
@@ -429,13 +429,13 @@ class DecodeService(RoomService):
         self.close_link(link.endpoint)
 
     def on_connection(self, endpoint: str, event: str) -> None:
-        """The link's TCP connection came or went (ZMQ reconnects by itself)."""
+        """The link's TCP connection came or went (the link reconnects by itself)."""
         link = self.links.get(endpoint)
         if link is not None and event == "disconnected" and self._live_rooms(link):
             self.declare_dead(link, f"prefill {endpoint} closed its connection")
 
     def declare_dead(self, link: PrefillLink, reason: str) -> None:
-        """Fail exactly the rooms on this link. The link stays: ZMQ reconnects, and a
+        """Fail exactly the rooms on this link. The link stays: it reconnects, and a
         recovered or restarted prefill gets new rooms as usual."""
         self.count_failure("peers_declared_dead")
         live = sum(1 for r in link.rooms if (room := self.rooms.find(r)) is not None and not room.finished)

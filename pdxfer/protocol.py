@@ -3,8 +3,8 @@
 Two conversations use this module:
 
 * engine <-> daemon (the engine's ZMQ DEALER to the daemon's ROUTER), and
-* daemon <-> daemon (the bootstrap channel: a decode daemon's DEALER to a prefill
-  daemon's ROUTER).
+* daemon <-> daemon (the bootstrap channel: a decode daemon's TCP connection to a
+  prefill daemon, framed by peer_channel).
 
 Every message is one MessagePack map whose ``kind`` field names its struct. Page
 index lists travel as ``bytes`` holding little-endian int32 values, so a request of
@@ -568,7 +568,7 @@ AdminReply = Union[RoomsReply, PeersReply, SlotsReply, InfoReply, Ok, Error]
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """The first frame of every peer ZMQ message, before its 1 to 256 message frames:
+    """The first frame of every peer or admin batch, before its 1 to 256 message frames:
     who sends (its incarnation, new on every start) and, when the cluster has a
     secret, an HMAC-SHA256 over the incarnation and every message frame, each
     length-prefixed (first 16 bytes)."""

@@ -1,14 +1,16 @@
-"""ZMQ sockets and framing; no business logic.
+"""ZMQ sockets (the engine and admin channels), batching and signed envelopes; no
+business logic. The bootstrap channel between daemons is plain TCP (peer_channel.py)
+and uses the batching and envelopes from here.
 
 Every frame of MessagePack is one message. A ZMQ message carries one or more of
-them: engine messages are just those frames; peer messages start with an envelope
-(the sender's incarnation and, with a cluster secret, an HMAC over all of them).
+them: engine messages are just those frames; peer and admin messages start with an
+envelope (the sender's incarnation and, with a cluster secret, an HMAC over all of them).
 Routers receive ``[identity, *frames]``. Sizes are bounded twice: ZMQ drops a
 connection whose frame exceeds twice the limit before it is buffered, and anything
 over the limit itself is refused with an error reply by the caller.
 
 Messages posted to one destination during one turn of the event loop leave together,
-as one ZMQ message (``post``): under load that is one wake-up of each side's I/O
+as one ZMQ message (``Outbox``): under load that is one wake-up of each side's I/O
 thread and of the receiver's loop for many messages, not one each.
 
 Sockets are plain (not zmq.asyncio) and driven by the event loop: the loop watches
@@ -131,6 +133,37 @@ def _no_head(payloads: list[bytes]) -> list[bytes]:
     return []
 
 
+class Outbox:
+    """Messages posted per destination (a ROUTER's peer identity, or None on a
+    connected socket), handed to ``send_batch`` together: at the end of this turn of
+    the loop, or at once when a destination's batch holds SEND_AT messages or a big one."""
+
+    def __init__(self, send_batch: Callable[[bytes | None, list[bytes]], None]) -> None:
+        self.send_batch = send_batch
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._batches: dict[bytes | None, list[bytes]] = {}
+        self._flush_pending = False
+
+    def post(self, payload: bytes, to: bytes | None = None) -> None:
+        batch = self._batches.get(to)
+        if batch is None:
+            batch = self._batches[to] = []
+            if not self._flush_pending and self.loop is not None:
+                self._flush_pending = True
+                self.loop.call_soon(self.flush)
+        batch.append(payload)
+        if len(batch) >= SEND_AT or len(payload) >= _COPY_BELOW:
+            self.send_batch(to, self._batches.pop(to))
+
+    def flush(self) -> bool:
+        """Send every posted message now; whether there were any."""
+        self._flush_pending = False
+        batches, self._batches = self._batches, {}
+        for to, payloads in batches.items():
+            self.send_batch(to, payloads)
+        return bool(batches)
+
+
 class LoopSocket:
     """A plain ZMQ socket whose incoming messages the event loop hands to
     ``on_message`` as they arrive, and whose posted messages leave in batches (one
@@ -147,11 +180,11 @@ class LoopSocket:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False  # inside _readable, which reads again anyway
         self._look_pending = False  # a _readable call is already scheduled
-        self._outbox: dict[bytes | None, list[bytes]] = {}  # destination (a ROUTER's peer identity, or None) -> payloads
-        self._flush_pending = False
+        self.outbox = Outbox(self._send_batch)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.outbox.loop = loop
         loop.add_reader(self.sock.getsockopt(zmq.FD), self._readable)
         loop.call_soon(self._readable)  # anything that arrived before we watched
 
@@ -187,28 +220,6 @@ class LoopSocket:
             self._look_pending = True
             self._loop.call_soon(self._readable)
 
-    def post(self, payload: bytes, to: bytes | None = None) -> None:
-        """Queue one message for ``to`` (a ROUTER's peer identity; None on a DEALER).
-        It leaves at the end of this turn of the loop with the others posted to the
-        same destination, or at once when their batch has SEND_AT messages or this
-        one is big."""
-        batch = self._outbox.get(to)
-        if batch is None:
-            batch = self._outbox[to] = []
-            if not self._flush_pending and self._loop is not None:
-                self._flush_pending = True
-                self._loop.call_soon(self.flush)
-        batch.append(payload)
-        if len(batch) >= SEND_AT or len(payload) >= _COPY_BELOW:
-            self._send_batch(to, self._outbox.pop(to))
-
-    def flush(self) -> None:
-        """Send every posted message now."""
-        self._flush_pending = False
-        outbox, self._outbox = self._outbox, {}
-        for to, payloads in outbox.items():
-            self._send_batch(to, payloads)
-
     def _send_batch(self, to: bytes | None, payloads: list[bytes]) -> None:
         frames = self.head(payloads) + payloads
         if not self._send(frames if to is None else [to, *frames], to):
@@ -238,8 +249,7 @@ class LoopSocket:
     def close(self) -> None:
         """Send what was posted, then close; what it just sent gets CLOSE_LINGER to
         leave (a context's term() waits that long at most), anything else is dropped."""
-        posted = bool(self._outbox)
-        self.flush()
+        posted = self.outbox.flush()
         sock, self.sock = self.sock, None
         if sock is None or sock.closed:
             return
@@ -304,7 +314,7 @@ class Router:
         """Queue a message for the peer ``identity`` (see LoopSocket.post); one to a
         departed identity, or past a full queue, is dropped."""
         if self._io is not None:
-            self._io.post(payload, identity)
+            self._io.outbox.post(payload, identity)
 
     def close(self) -> None:
         if self._io is not None:
@@ -361,7 +371,7 @@ class Dealer:
         """Queue a message (see LoopSocket.post); past a full queue it is dropped,
         and ``on_dropped`` hears of it."""
         if self._io is not None:
-            self._io.post(payload)
+            self._io.outbox.post(payload)
 
     def close(self) -> None:
         if self._io is not None:

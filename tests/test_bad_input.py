@@ -38,12 +38,14 @@ from pdxfer import protocol as p
 from pdxfer.client import Client
 from pdxfer.decode import bootstrap_endpoint
 from pdxfer.launch import start_daemon
+from pdxfer.peer_channel import encode
 from pdxfer.plan import compat_of, pages_to_bytes
 from pdxfer.protocol import RoomState
 from pdxfer.service import loose_req
 from pdxfer.wire import MAX_BATCH, Seal
 
 from .conftest import needs_mooncake, small_layout
+from .peersocket import PeerSocket
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, engine, start_room, wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(180)]
@@ -402,6 +404,32 @@ def test_a_message_over_twice_the_limit_is_dropped_and_the_daemon_serves_on(pair
     assert decode.snapshot() == before
 
 
+def test_a_peer_frame_over_twice_the_limit_closes_its_connection_unread(pair):
+    """Documented in proto/PROTOCOL.md: the prefill closes the connection as soon as
+    the frame's length is read, before its bytes arrive, and serves others on."""
+    prefill, _ = pair
+    before = prefill.snapshot()
+    sock = PeerSocket(f"tcp://{prefill.daemon.bootstrap}")
+    try:
+        # Only the lengths: a receiver that waited for the bytes would never answer.
+        sock.sock.sendall(encode([envelope("a" * 16), b"x"])[:4] + (4).to_bytes(4, "little") + (2 * MAX_BYTES + 1).to_bytes(4, "little"))
+        try:
+            left = sock.sock.recv(1)
+        except ConnectionResetError:  # closed by abort: a reset rather than an end of stream
+            left = b""
+        assert left == b"", "the connection stayed open"
+    finally:
+        sock.close()
+    other = PeerSocket(f"tcp://{prefill.daemon.bootstrap}")
+    try:
+        reply = ask_peer(other, [envelope("a" * 16), b"\xc1 not msgpack"])
+        assert isinstance(reply, p.PeerError) and reply.code is p.ErrorCode.BAD_MESSAGE, reply
+    finally:
+        other.close()
+    assert prefill.daemon.alive()
+    assert prefill.snapshot() == before
+
+
 @pytest.mark.parametrize("kind", ["register_kv", "register_aux"])
 @pytest.mark.parametrize("name", [".", ".."])
 def test_a_shm_name_naming_a_directory_is_bad_input(pair, engine_socks, kind, name):
@@ -451,12 +479,12 @@ def test_state_changing_requests_do_what_they_say(pair, engine_socks):
 @pytest.fixture(scope="module")
 def peer_sock(pair):
     prefill, _ = pair
-    sock = _dealer(f"tcp://{prefill.daemon.bootstrap}")
+    sock = PeerSocket(prefill.daemon.bootstrap)
     yield sock
     sock.close(0)
 
 
-def ask_peer(sock: zmq.Socket, frames: list[bytes], timeout: float = REPLY_TIMEOUT):
+def ask_peer(sock: PeerSocket, frames: list[bytes], timeout: float = REPLY_TIMEOUT):
     sock.send_multipart(frames)
     assert sock.poll(int(timeout * 1000)), f"no reply to {[f[:40] for f in frames]!r}"
     reply = sock.recv_multipart()
@@ -608,7 +636,7 @@ def test_a_valid_hello_is_welcomed_and_a_silent_peer_forgotten(pair, daemons):
     _, decode = pair
     prefill = daemons("prefill", *HB_FLAGS, name="hello")
     client = engine(prefill, small_layout(), slots=NUM_SLOTS, payload=PAYLOAD)
-    sock = _dealer(f"tcp://{prefill.bootstrap}")
+    sock = PeerSocket(prefill.bootstrap)
     try:
         assert client.stats().peers == 0
         reply = ask_peer(sock, [envelope("e" * 16), CODEC.encode(_real_hello(decode))])
@@ -628,7 +656,7 @@ def test_a_peer_message_over_max_message_bytes_gets_a_clear_error(pair, peer_soc
 
 def test_garbage_to_a_prefill_whose_engine_has_not_registered_is_answered_at_once(daemons):
     prefill = daemons("prefill", name="early")
-    sock = _dealer(f"tcp://{prefill.bootstrap}")
+    sock = PeerSocket(prefill.bootstrap)
     try:
         reply = ask_peer(sock, [envelope("a" * 16), b"\xc1 not msgpack"], timeout=3.0)
         assert isinstance(reply, p.PeerError) and reply.code is p.ErrorCode.BAD_MESSAGE, reply
@@ -654,7 +682,7 @@ def signed(tmp_path_factory):
     daemon = start_daemon("prefill", runtime, "--cluster-secret-file", str(secret), "--max-message-bytes", str(MAX_BYTES),
                           *HB_FLAGS, name="signed", stderr=log)
     client = engine(daemon, small_layout(), slots=NUM_SLOTS, payload=PAYLOAD)
-    sock = _dealer(f"tcp://{daemon.bootstrap}")
+    sock = PeerSocket(daemon.bootstrap)
     try:
         yield Live(daemon, client), sock, str(secret), runtime
     finally:
@@ -724,7 +752,7 @@ def test_signed_but_malformed_or_premature_messages_to_a_signed_prefill_get_peer
 def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves_bytes(signed):
     live, _, secret, runtime = signed
     assert _HELLO.compat == compat_of(live.client.kv.layout, live.client.aux.slot_bytes)
-    sock = _dealer(f"tcp://{live.daemon.bootstrap}")
+    sock = PeerSocket(live.daemon.bootstrap)
     try:
         seal = Seal("c" * 16, SECRET)
         reply = ask_peer(sock, seal.seal([CODEC.encode(msgspec.structs.replace(_HELLO, incarnation="c" * 16))]))

@@ -23,7 +23,6 @@ import signal
 import time
 
 import pytest
-import zmq
 
 from pdxfer import errors
 from pdxfer.client import AsyncClient, Client
@@ -41,6 +40,7 @@ from pdxfer.protocol import (
 from pdxfer.wire import Seal
 
 from .conftest import needs_mooncake, small_layout
+from .peersocket import PeerListener
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, free_port, room_ids, start_room, statuses, wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(90)]
@@ -74,13 +74,11 @@ class FakePrefill:
         self.codec = Codec()
         self.seal = Seal(incarnation)
         self.incarnation = incarnation
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.sock = PeerListener(port)
         self._received: collections.deque = collections.deque()
 
     def recv(self, timeout: float = 10.0):
-        """The next message, in order; one ZMQ message may carry several."""
+        """The next message, in order; one batch may carry several."""
         if not self._received:
             assert self.sock.poll(int(timeout * 1000)), "the decode daemon sent nothing"
             identity, *frames = self.sock.recv_multipart()

@@ -1,0 +1,108 @@
+"""Blocking ends of the bootstrap channel for tests that play one daemon by hand:
+``PeerSocket`` connects as a decode daemon would, ``PeerListener`` listens as a
+prefill daemon would. Both speak pdxfer.peer_channel's framing with plain sockets."""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import time
+
+from pdxfer.peer_channel import PREAMBLE, Deframer, encode, split_endpoint
+
+NO_LIMIT = 1 << 31
+
+
+class PeerSocket:
+    """A connection to a prefill daemon's bootstrap endpoint under ``identity``
+    (random by default)."""
+
+    def __init__(self, endpoint: str, identity: bytes = b"") -> None:
+        self.sock = socket.create_connection(split_endpoint(endpoint), timeout=5)
+        self.identity = identity or os.urandom(8)
+        self.sock.sendall(PREAMBLE + encode([self.identity]))
+        self._deframer = Deframer(NO_LIMIT)
+        self._received: collections.deque = collections.deque()
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sock.sendall(encode(frames))
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Whether a whole message arrived within ``timeout_ms``."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self._received:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                return False
+            data = self.sock.recv(1 << 20)
+            if not data:
+                return False
+            self._received.extend(self._deframer.feed(data))
+        return True
+
+    def recv_multipart(self) -> list[bytes]:
+        assert self.poll(10_000), "nothing arrived"
+        return self._received.popleft()
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close()
+
+
+class PeerListener:
+    """A bootstrap endpoint on 127.0.0.1:``port`` that accepts any number of
+    connections; messages come out as ``[identity, *frames]`` like a ZMQ ROUTER's."""
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self._conns: dict[socket.socket, list] = {}  # -> [bytes before the preamble is whole, deframer, identity]
+        self._by_identity: dict[bytes, socket.socket] = {}
+        self._received: collections.deque = collections.deque()
+
+    def poll(self, timeout_ms: int) -> bool:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self._received:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for sock in select.select([self.listener, *self._conns], [], [], left)[0]:
+                if sock is self.listener:
+                    conn, _ = sock.accept()
+                    self._conns[conn] = [b"", Deframer(NO_LIMIT), None]
+                else:
+                    self._read(sock)
+        return True
+
+    def _read(self, sock: socket.socket) -> None:
+        state = self._conns[sock]
+        data = sock.recv(1 << 20)
+        if not data:
+            del self._conns[sock]
+            sock.close()
+            return
+        if state[0] is not None:
+            state[0] += data
+            if len(state[0]) < len(PREAMBLE):
+                return
+            assert state[0].startswith(PREAMBLE), state[0][:16]
+            data, state[0] = state[0][len(PREAMBLE) :], None
+        for frames in state[1].feed(data):
+            if state[2] is None:
+                state[2] = frames[0]
+                self._by_identity[state[2]] = sock
+            else:
+                self._received.append([state[2], *frames])
+
+    def recv_multipart(self) -> list[bytes]:
+        assert self.poll(10_000), "nothing arrived"
+        return self._received.popleft()
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        identity, *rest = frames
+        self._by_identity[identity].sendall(encode(rest))
+
+    def close(self, linger: int = 0) -> None:
+        for sock in [self.listener, *self._conns]:
+            sock.close()
+        self._conns.clear()

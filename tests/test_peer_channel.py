@@ -1,0 +1,186 @@
+"""The bootstrap channel between daemons (pdxfer.peer_channel): framing cut at any
+byte, bounds checked before bytes are waited for, batching and identity, reconnects,
+and bounded queues. Real TCP on loopback; no daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdxfer.errors import BadMessage
+from pdxfer.peer_channel import MAX_FRAMES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
+from pdxfer.wire import SEND_AT
+
+from .roomkit import free_port
+
+messages = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), max_size=8)
+
+
+@given(batch=messages, cuts=st.lists(st.integers(min_value=0, max_value=5000), max_size=12))
+def test_messages_come_out_whole_and_in_order_wherever_the_stream_is_cut(batch, cuts):
+    stream = b"".join(encode(frames) for frames in batch)
+    points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    deframer = Deframer(1000)
+    out = []
+    for a, b in zip(points, points[1:]):
+        out.extend(deframer.feed(stream[a:b]))
+    assert out == batch
+
+
+def test_a_count_out_of_bounds_is_refused_from_its_first_four_bytes():
+    for count in (0, MAX_FRAMES + 1):
+        with pytest.raises(BadMessage, match="frames"):
+            Deframer(1000).feed(count.to_bytes(4, "little"))
+    # A ZMQ greeting read as a count (0xff 00 00 00 = 255) is within bounds: the
+    # preamble, not the count, is what tells a ZMQ peer apart.
+    assert Deframer(1000).feed(b"\xff\x00\x00\x00") == []
+
+
+def test_an_oversized_frame_is_refused_before_its_bytes_arrive():
+    head = encode([b"x" * 1001])[:8]  # the count and the length, none of the frame
+    with pytest.raises(BadMessage, match="1001 bytes is over the 1000-byte limit"):
+        Deframer(1000).feed(head)
+    assert Deframer(1001).feed(head) == []  # at the limit: it waits for the bytes
+
+
+def test_endpoints_parse_with_or_without_scheme_and_for_ipv6():
+    assert split_endpoint("tcp://10.0.0.1:7000") == ("10.0.0.1", 7000)
+    assert split_endpoint("host:1") == ("host", 1)
+    assert split_endpoint("tcp://[::1]:9") == ("::1", 9)
+    for bad in ("tcp://host", "host:", ":80", "host:x"):
+        with pytest.raises(ValueError):
+            split_endpoint(bad)
+
+
+@pytest.fixture
+async def channel():
+    """Factory: (server, link, what the server got as (identity, frames), what the
+    link got, the link's connection events); all closed at teardown."""
+    made = []
+
+    async def make(port: int = 0, max_bytes: int = 1 << 20, serve: bool = True):
+        loop = asyncio.get_running_loop()
+        at_server, at_link, events = [], [], []
+        server = PeerServer("127.0.0.1", port, max_bytes)
+        bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)))
+        if serve:
+            await server.serve()
+        link = PeerLink(bound, b"link-1", max_bytes)
+        link.start(loop, at_link.append, events.append)
+        made.extend((link, server))
+        return server, link, at_server, at_link, events
+
+    yield make
+    for end in made:
+        end.close()
+    await asyncio.sleep(0.01)  # let the transports finish closing on this loop
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "nothing arrived in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_posts_of_one_turn_arrive_as_one_batch_under_the_links_identity_and_replies_return(channel):
+    server, link, at_server, at_link, events = await channel()
+    for i in range(3):
+        link.post(b"m%d" % i)
+    await _until(lambda: at_server)
+    assert at_server == [(b"link-1", [b"m0", b"m1", b"m2"])]
+    assert events == ["connected"]
+    for i in range(SEND_AT + 1):
+        server.post(b"link-1", b"r%d" % i)
+    await _until(lambda: sum(map(len, at_link)) == SEND_AT + 1)
+    assert [len(frames) for frames in at_link] == [SEND_AT, 1]
+    assert [f for frames in at_link for f in frames] == [b"r%d" % i for i in range(SEND_AT + 1)]
+
+
+async def test_posts_before_the_server_listens_are_delivered_once_it_does(channel):
+    server, link, at_server, _, events = await channel(serve=False)
+    link.post(b"early")
+    await asyncio.sleep(0.3)  # a few refused connects
+    assert at_server == [] and events == []
+    await server.serve()
+    await _until(lambda: at_server)
+    assert at_server == [(b"link-1", [b"early"])] and events == ["connected"]
+
+
+async def test_a_restarted_server_is_reconnected_to_and_hears_the_same_identity(channel):
+    port = free_port()
+    server, link, at_server, at_link, events = await channel(port)
+    link.post(b"one")
+    await _until(lambda: at_server)
+    server.close()
+    await _until(lambda: events == ["connected", "disconnected"])
+    again, _, at_again, _, _ = await channel(port)  # its own link is not the one under test
+    link.post(b"two")
+    await _until(lambda: (b"link-1", [b"two"]) in at_again)
+    assert events == ["connected", "disconnected", "connected"]
+    again.post(b"link-1", b"back")
+    await _until(lambda: [b"back"] in at_link)
+
+
+async def test_a_second_connection_under_one_identity_replaces_the_first(channel):
+    server, link, at_server, _, _ = await channel()
+    link.post(b"x")
+    await _until(lambda: at_server)
+    loop = asyncio.get_running_loop()
+    got = []
+    twin = PeerLink(server.bound, b"link-1", 1 << 20)
+    twin.start(loop, got.append)
+    try:
+        twin.post(b"y")
+        await _until(lambda: (b"link-1", [b"y"]) in at_server)
+        server.post(b"link-1", b"to-the-newest")
+        await _until(lambda: got)
+        assert got == [[b"to-the-newest"]]
+    finally:
+        twin.close()
+
+
+async def test_a_stream_without_the_preamble_is_closed_and_others_are_served(channel):
+    server, link, at_server, _, _ = await channel()
+    host, port = split_endpoint(server.bound)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"\xff" + b"\x00" * 8 + b"\x7f")  # what a ZMQ peer opens with
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    link.post(b"still")
+    await _until(lambda: at_server)
+    assert at_server == [(b"link-1", [b"still"])]
+
+
+async def test_posts_while_unconnected_are_bounded_and_the_excess_is_reported(channel):
+    server, link, at_server, _, _ = await channel(max_bytes=4096, serve=False)
+    dropped = []
+    link.on_dropped = lambda to, payloads: dropped.extend(payloads)
+    for i in range(20):
+        link.post(bytes([i]) * 1000)  # one batch each: at SEND_AT or not, 20 KB > 2 x 4096
+        link._outbox.flush()
+    assert len(dropped) == 20 - 8, len(dropped)  # 8 x 1000 bytes fit in 2 x 4096
+    await server.serve()
+    await _until(lambda: len(at_server) == 8)
+    assert [frames[0][0] for _, frames in at_server] == list(range(8))
+
+
+async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
+    server, _, _, _, _ = await channel(max_bytes=64 * 1024)
+    host, port = split_endpoint(server.bound)
+    raw = socket.create_connection((host, port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.sendall(PREAMBLE + encode([b"stuck"]))
+    try:
+        await _until(lambda: b"stuck" in server._by_identity)
+        conn = server._by_identity[b"stuck"]
+        for _ in range(400):  # 400 x 60 KiB: far more than the kernel's buffers hold
+            server.post(b"stuck", b"z" * 60_000)
+            await asyncio.sleep(0)
+        assert conn.transport.get_write_buffer_size() <= 2 * 64 * 1024 + 60_100
+    finally:
+        raw.close()
