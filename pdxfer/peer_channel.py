@@ -253,13 +253,10 @@ class PeerLink:
         on_message: Callable[[list[bytes]], None],
         on_connection: Callable[[str], None] | None = None,
         head: Head = _no_head,
-        on_dropped: Dropped | None = None,
     ) -> None:
         self._on_message, self._head, self._outbox.loop = on_message, head, loop
         if on_connection is not None:
             self._on_connection = on_connection
-        if on_dropped is not None:
-            self.on_dropped = on_dropped
         self._task = loop.create_task(self._stay_connected(loop), name=f"pdxfer-link-{self.endpoint}")
 
     async def _stay_connected(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -8,6 +8,7 @@ generous slack, because other CPU-heavy work shares this 2-core machine.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from dataclasses import dataclass
@@ -116,3 +117,11 @@ def all_in(client: Client, rooms, *states: RoomState) -> dict[int, RoomStatus] |
 
 def room_ids(cases) -> list[int]:
     return [c.id for c in cases]
+
+
+async def arrived(predicate, timeout: float = 5.0) -> None:
+    """Wait on the running loop until ``predicate()`` holds (sockets deliver meanwhile)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "nothing arrived in time"
+        await asyncio.sleep(0.005)

@@ -15,7 +15,7 @@ from pdxfer.errors import BadMessage
 from pdxfer.peer_channel import MAX_FRAMES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
 from pdxfer.wire import SEND_AT
 
-from .roomkit import free_port
+from .roomkit import arrived, free_port
 
 messages = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), max_size=8)
 
@@ -80,23 +80,16 @@ async def channel():
     await asyncio.sleep(0.01)  # let the transports finish closing on this loop
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "nothing arrived in time"
-        await asyncio.sleep(0.005)
-
-
 async def test_posts_of_one_turn_arrive_as_one_batch_under_the_links_identity_and_replies_return(channel):
     server, link, at_server, at_link, events = await channel()
     for i in range(3):
         link.post(b"m%d" % i)
-    await _until(lambda: at_server)
+    await arrived(lambda: at_server)
     assert at_server == [(b"link-1", [b"m0", b"m1", b"m2"])]
     assert events == ["connected"]
     for i in range(SEND_AT + 1):
         server.post(b"link-1", b"r%d" % i)
-    await _until(lambda: sum(map(len, at_link)) == SEND_AT + 1)
+    await arrived(lambda: sum(map(len, at_link)) == SEND_AT + 1)
     assert [len(frames) for frames in at_link] == [SEND_AT, 1]
     assert [f for frames in at_link for f in frames] == [b"r%d" % i for i in range(SEND_AT + 1)]
 
@@ -107,7 +100,7 @@ async def test_posts_before_the_server_listens_are_delivered_once_it_does(channe
     await asyncio.sleep(0.3)  # a few refused connects
     assert at_server == [] and events == []
     await server.serve()
-    await _until(lambda: at_server)
+    await arrived(lambda: at_server)
     assert at_server == [(b"link-1", [b"early"])] and events == ["connected"]
 
 
@@ -115,30 +108,30 @@ async def test_a_restarted_server_is_reconnected_to_and_hears_the_same_identity(
     port = free_port()
     server, link, at_server, at_link, events = await channel(port)
     link.post(b"one")
-    await _until(lambda: at_server)
+    await arrived(lambda: at_server)
     server.close()
-    await _until(lambda: events == ["connected", "disconnected"])
+    await arrived(lambda: events == ["connected", "disconnected"])
     again, _, at_again, _, _ = await channel(port)  # its own link is not the one under test
     link.post(b"two")
-    await _until(lambda: (b"link-1", [b"two"]) in at_again)
+    await arrived(lambda: (b"link-1", [b"two"]) in at_again)
     assert events == ["connected", "disconnected", "connected"]
     again.post(b"link-1", b"back")
-    await _until(lambda: [b"back"] in at_link)
+    await arrived(lambda: [b"back"] in at_link)
 
 
 async def test_a_second_connection_under_one_identity_replaces_the_first(channel):
     server, link, at_server, _, _ = await channel()
     link.post(b"x")
-    await _until(lambda: at_server)
+    await arrived(lambda: at_server)
     loop = asyncio.get_running_loop()
     got = []
     twin = PeerLink(server.bound, b"link-1", 1 << 20)
     twin.start(loop, got.append)
     try:
         twin.post(b"y")
-        await _until(lambda: (b"link-1", [b"y"]) in at_server)
+        await arrived(lambda: (b"link-1", [b"y"]) in at_server)
         server.post(b"link-1", b"to-the-newest")
-        await _until(lambda: got)
+        await arrived(lambda: got)
         assert got == [[b"to-the-newest"]]
     finally:
         twin.close()
@@ -152,7 +145,7 @@ async def test_a_stream_without_the_preamble_is_closed_and_others_are_served(cha
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
     link.post(b"still")
-    await _until(lambda: at_server)
+    await arrived(lambda: at_server)
     assert at_server == [(b"link-1", [b"still"])]
 
 
@@ -165,7 +158,7 @@ async def test_posts_while_unconnected_are_bounded_and_the_excess_is_reported(ch
         link._outbox.flush()
     assert len(dropped) == 20 - 8, len(dropped)  # 8 x 1000 bytes fit in 2 x 4096
     await server.serve()
-    await _until(lambda: len(at_server) == 8)
+    await arrived(lambda: len(at_server) == 8)
     assert [frames[0][0] for _, frames in at_server] == list(range(8))
 
 
@@ -176,7 +169,7 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.sendall(PREAMBLE + encode([b"stuck"]))
     try:
-        await _until(lambda: b"stuck" in server._by_identity)
+        await arrived(lambda: b"stuck" in server._by_identity)
         conn = server._by_identity[b"stuck"]
         for _ in range(400):  # 400 x 60 KiB: far more than the kernel's buffers hold
             server.post(b"stuck", b"z" * 60_000)

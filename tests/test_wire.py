@@ -11,6 +11,8 @@ import zmq
 from pdxfer.errors import BadMessage
 from pdxfer.wire import MAX_BATCH, SEND_AT, Dealer, Router, Seal, Unauthenticated
 
+from .roomkit import arrived
+
 
 @pytest.fixture
 def sockets(runtime_dir):
@@ -34,24 +36,17 @@ def sockets(runtime_dir):
         sock.close()
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "nothing arrived in time"
-        await asyncio.sleep(0.005)
-
-
 async def test_posts_of_one_turn_leave_as_one_message_per_destination_in_order(sockets):
     router, dealer, at_router, at_dealer = sockets()
     for i in range(5):
         dealer.post(b"m%d" % i)
-    await _until(lambda: at_router)
+    await arrived(lambda: at_router)
     identity, frames = at_router[0]
     assert identity == b"dealer-1" and frames == [b"m0", b"m1", b"m2", b"m3", b"m4"]
     assert len(at_router) == 1
     router.post(identity, b"r0")
     router.post(identity, b"r1")
-    await _until(lambda: at_dealer)
+    await arrived(lambda: at_dealer)
     assert at_dealer == [[b"r0", b"r1"]]
 
 
@@ -60,7 +55,7 @@ async def test_a_full_batch_leaves_at_once_and_the_rest_follows(sockets):
     n = 3 * SEND_AT + 3
     for i in range(n):
         dealer.post(i.to_bytes(4, "little"))
-    await _until(lambda: sum(len(frames) for _, frames in at_router) == n)
+    await arrived(lambda: sum(len(frames) for _, frames in at_router) == n)
     assert [len(frames) for _, frames in at_router] == [SEND_AT] * 3 + [3]
     got = [int.from_bytes(f, "little") for _, frames in at_router for f in frames]
     assert got == list(range(n))
@@ -71,7 +66,7 @@ async def test_a_big_message_is_not_held_for_the_end_of_the_turn(sockets):
     dealer.post(b"small")
     dealer.post(b"x" * 100_000)
     dealer.post(b"after")
-    await _until(lambda: sum(len(frames) for _, frames in at_router) == 3)
+    await arrived(lambda: sum(len(frames) for _, frames in at_router) == 3)
     assert [[len(f) for f in frames] for _, frames in at_router] == [[5, 100_000], [5]]
 
 
@@ -80,7 +75,7 @@ async def test_close_sends_what_was_posted(sockets):
     await asyncio.sleep(0.05)  # connected, so the close below has a pipe to flush into
     dealer.post(b"last words")
     dealer.close()
-    await _until(lambda: at_router)
+    await arrived(lambda: at_router)
     assert at_router[0][1] == [b"last words"]
 
 
@@ -89,7 +84,7 @@ async def test_a_signed_batch_has_one_envelope_that_covers_every_frame(sockets):
     router, dealer, at_router, _ = sockets(lambda payloads: [sender.envelope(payloads)])
     dealer.post(b"one")
     dealer.post(b"two")
-    await _until(lambda: at_router)
+    await arrived(lambda: at_router)
     frames = at_router[0][1]
     assert len(frames) == 3
     assert receiver.open(frames) == ("sender-1", [b"one", b"two"])
