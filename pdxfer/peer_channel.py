@@ -20,6 +20,7 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from typing import Callable
 
 from .errors import BadMessage
@@ -30,9 +31,15 @@ log = logging.getLogger("pdxfer.peer_channel")
 PREAMBLE = b"PDXF\x00\x01"  # magic and this framing's version
 MAX_FRAMES = 4 * MAX_BATCH  # more than a batch may hold, so the receiver can say so in a reply
 MAX_IDENTITY = 255
-RECONNECT_SECONDS = 0.1  # between a lost or refused connection and the next try (ZMQ's default)
+# Between a lost or refused connection and the next try (ZMQ's default). Not backed
+# off: a connection reset by a flaky network looks like one refused by a peer, and a
+# link that waited seconds after the network healed would miss its heartbeats.
+RECONNECT_SECONDS = 0.1
+REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged once per this, with a count
 CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not the kernel's ~2 min
+HANDSHAKE_SECONDS = 10.0  # an accepted connection that has not named itself by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
+_refusals: dict[str, tuple[float, int]] = {}  # endpoint -> (last logged, refusals not logged since)
 
 
 def encode(frames: list[bytes]) -> bytes:
@@ -121,7 +128,15 @@ class _Connection(asyncio.Protocol):
                 log.exception("%s: handling a message failed", self.name)
 
     def refuse(self, why: str) -> None:
-        log.warning("%s: closing a connection from %s: %s", self.name, self.transport.get_extra_info("peername"), why)
+        # An incompatible daemon reconnects ten times a second: say so, not every time.
+        now = time.monotonic()
+        logged_at, unlogged = _refusals.get(self.name, (0.0, 0))
+        if now - logged_at >= REFUSAL_LOG_SECONDS:
+            more = f" ({unlogged} more refused since the last report)" if unlogged else ""
+            log.warning("%s: closing a connection from %s: %s%s", self.name, self.transport.get_extra_info("peername"), why, more)
+            _refusals[self.name] = (now, 0)
+        else:
+            _refusals[self.name] = (logged_at, unlogged + 1)
         self.transport.abort()
 
     def connection_lost(self, exc) -> None:
@@ -174,6 +189,7 @@ class PeerServer:
         lost = asyncio.get_running_loop().create_future()
         conn = _Connection(self.bound, self.max_bytes, self._received, self, lost, preamble=True)
         self._open.add(conn)
+        asyncio.get_running_loop().call_later(HANDSHAKE_SECONDS, self._check_named, conn)
         lost.add_done_callback(lambda _: self._gone(conn))
         return conn
 
@@ -189,6 +205,10 @@ class PeerServer:
         self._by_identity[conn.identity] = conn
         if older is not None:
             older.transport.abort()
+
+    def _check_named(self, conn: _Connection) -> None:
+        if conn.identity is None and conn in self._open:
+            conn.refuse(f"it did not name itself within {HANDSHAKE_SECONDS:g}s")
 
     def _gone(self, conn: _Connection) -> None:
         self._open.discard(conn)

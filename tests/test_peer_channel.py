@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdxfer.errors import BadMessage
+from pdxfer import peer_channel
 from pdxfer.peer_channel import MAX_FRAMES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
 from pdxfer.wire import SEND_AT
 
@@ -177,3 +178,35 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
         assert conn.transport.get_write_buffer_size() <= 2 * 64 * 1024 + 60_100
     finally:
         raw.close()
+
+
+async def test_a_connection_that_never_names_itself_is_closed(channel, monkeypatch):
+    monkeypatch.setattr(peer_channel, "HANDSHAKE_SECONDS", 0.2)
+    server, link, at_server, _, _ = await channel()
+    reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
+    writer.write(PREAMBLE)  # the preamble, then nothing
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    link.post(b"named")  # a link that did name itself stays
+    await arrived(lambda: at_server)
+    assert at_server == [(b"link-1", [b"named"])]
+
+
+async def test_refused_connections_are_logged_once_per_interval_with_a_count(channel, caplog):
+    server, _, _, _, _ = await channel()
+    peer_channel._refusals.pop(server.bound, None)  # a port reused from an earlier test
+    host, port = split_endpoint(server.bound)
+    for _ in range(4):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"\xff" + b"\x00" * 8 + b"\x7f")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    refusals = [r for r in caplog.records if "closing a connection" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]
+    peer_channel._refusals[server.bound] = (0.0, 3)  # the interval passed: the next one reports the rest
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"GET / HTTP/1.1\r\n")
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    refusals = [r.getMessage() for r in caplog.records if "closing a connection" in r.getMessage()]
+    assert len(refusals) == 2 and "(3 more refused since the last report)" in refusals[1], refusals
