@@ -220,8 +220,11 @@ class PeerServer:
 
     def _send_batch(self, identity: bytes | None, payloads: list[bytes]) -> None:
         conn = self._by_identity.get(identity)
-        if conn is None or not conn.send(self._head(payloads) + payloads):
-            log.debug("%s: dropped %d messages to %r", self.bound, len(payloads), identity)
+        if conn is None:  # the peer left: common, and its rooms fail by its absence
+            log.debug("%s: dropped %d messages to %r, which is not connected", self.bound, len(payloads), identity)
+        elif not conn.send(self._head(payloads) + payloads):
+            log.warning("%s: dropped %d messages to %r: its connection is closing or %d bytes are queued for it",
+                        self.bound, len(payloads), identity, conn.queue_bytes)
 
     def close(self) -> None:
         """Send what was posted, stop listening, and close every connection once
@@ -326,6 +329,8 @@ class PeerLink:
                 self._waiting.append(payloads)
                 self._waiting_bytes += size
         if not sent:
+            log.warning("%s: dropped %d messages: the connection is closing, or %d bytes already wait for it",
+                        self.endpoint, len(payloads), 2 * self.max_bytes)
             self.on_dropped(None, payloads)
 
     def close(self) -> None:
