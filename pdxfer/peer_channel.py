@@ -10,8 +10,9 @@ A connection starts with PREAMBLE from the connecting side, then one message hol
 its identity; every message after that is a batch as on ZMQ (an envelope frame and
 1 to MAX_BATCH payload frames, see wire.Seal), laid out as ``u32 frame count``, one
 ``u32 length`` per frame, then the frames (little-endian). A frame over twice the
-size limit, or a stream that does not start with PREAMBLE, closes the connection;
-everything else is the caller's to judge, as before. proto/PROTOCOL.md says the same.
+size limit, a stream that does not start with PREAMBLE, or one that has not named
+itself within HANDSHAKE_SECONDS closes the connection; everything else is the
+caller's to judge, as before. proto/PROTOCOL.md says the same.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged once per this, with
 CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not the kernel's ~2 min
 HANDSHAKE_SECONDS = 10.0  # an accepted connection that has not named itself by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
-_refusals: dict[str, tuple[float, int]] = {}  # endpoint -> (last logged, refusals not logged since)
 
 
 def encode(frames: list[bytes]) -> bytes:
@@ -83,16 +83,34 @@ class Deframer:
         return messages
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection of either side: deframes what arrives into ``on_message``
-    and writes batches, refusing one that would put its send buffer past ``queue_bytes``."""
+class _RefusalLog:
+    """Warnings about refused connections, at most one per REFUSAL_LOG_SECONDS with a
+    count of the rest: an incompatible daemon reconnects ten times a second."""
 
-    def __init__(self, name: str, max_bytes: int, on_message: Callable, owner, lost: asyncio.Future, preamble: bool) -> None:
+    def __init__(self) -> None:
+        self.logged_at = 0.0
+        self.unlogged = 0
+
+    def refused(self, name: str, peer, why: str) -> None:
+        now = time.monotonic()
+        if now - self.logged_at < REFUSAL_LOG_SECONDS:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more refused since the last report)" if self.unlogged else ""
+        log.warning("%s: closing a connection from %s: %s%s", name, peer, why, more)
+        self.logged_at, self.unlogged = now, 0
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection of either side (``owner``: its PeerServer or PeerLink, which
+    gets each message as ``received(connection, frames)``): deframes what arrives and
+    writes batches, refusing one that would put its send buffer past ``queue_bytes``."""
+
+    def __init__(self, name: str, max_bytes: int, owner, lost: asyncio.Future, preamble: bool) -> None:
         self.name = name
         self.deframer = Deframer(2 * max_bytes)
         self.queue_bytes = 2 * max_bytes
-        self.on_message = on_message  # (connection, frames)
-        self.owner = owner  # whose on_error hears of a failed handler
+        self.owner = owner
         self.lost = lost
         self.identity: bytes | None = None
         self.transport: asyncio.Transport | None = None
@@ -122,21 +140,13 @@ class _Connection(asyncio.Protocol):
             if self.transport.is_closing():
                 return
             try:
-                self.on_message(self, frames)
+                self.owner.received(self, frames)
             except Exception:
                 self.owner.on_error()
                 log.exception("%s: handling a message failed", self.name)
 
     def refuse(self, why: str) -> None:
-        # An incompatible daemon reconnects ten times a second: say so, not every time.
-        now = time.monotonic()
-        logged_at, unlogged = _refusals.get(self.name, (0.0, 0))
-        if now - logged_at >= REFUSAL_LOG_SECONDS:
-            more = f" ({unlogged} more refused since the last report)" if unlogged else ""
-            log.warning("%s: closing a connection from %s: %s%s", self.name, self.transport.get_extra_info("peername"), why, more)
-            _refusals[self.name] = (now, 0)
-        else:
-            _refusals[self.name] = (logged_at, unlogged + 1)
+        self.owner.refusals.refused(self.name, self.transport.get_extra_info("peername"), why)
         self.transport.abort()
 
     def connection_lost(self, exc) -> None:
@@ -166,6 +176,7 @@ class PeerServer:
         self.max_bytes = max_bytes
         self.bound = ""
         self.on_error: Callable[[], None] = lambda: None  # a message handler raised (logged too)
+        self.refusals = _RefusalLog()
         self._server: asyncio.AbstractServer | None = None
         self._open: set[_Connection] = set()
         self._by_identity: dict[bytes, _Connection] = {}
@@ -186,14 +197,15 @@ class PeerServer:
         await self._server.start_serving()
 
     def _accept(self) -> _Connection:
-        lost = asyncio.get_running_loop().create_future()
-        conn = _Connection(self.bound, self.max_bytes, self._received, self, lost, preamble=True)
+        loop = asyncio.get_running_loop()
+        lost = loop.create_future()
+        conn = _Connection(self.bound, self.max_bytes, self, lost, preamble=True)
         self._open.add(conn)
-        asyncio.get_running_loop().call_later(HANDSHAKE_SECONDS, self._check_named, conn)
+        loop.call_later(HANDSHAKE_SECONDS, self._check_named, conn)
         lost.add_done_callback(lambda _: self._gone(conn))
         return conn
 
-    def _received(self, conn: _Connection, frames: list[bytes]) -> None:
+    def received(self, conn: _Connection, frames: list[bytes]) -> None:
         if conn.identity is not None:
             self._on_message(conn.identity, frames)
             return
@@ -260,6 +272,7 @@ class PeerLink:
         self.identity = identity
         self.max_bytes = max_bytes
         self.on_error: Callable[[], None] = lambda: None  # a handler raised (logged too)
+        self.refusals = _RefusalLog()
         self._outbox = Outbox(self._send_batch)
         self._head: Head = _no_head
         self._conn: _Connection | None = None
@@ -285,7 +298,7 @@ class PeerLink:
     async def _stay_connected(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
             lost = loop.create_future()
-            make = lambda: _Connection(self.endpoint, self.max_bytes, self._received, self, lost, preamble=False)  # noqa: E731
+            make = lambda: _Connection(self.endpoint, self.max_bytes, self, lost, preamble=False)  # noqa: E731
             try:
                 _, conn = await asyncio.wait_for(loop.create_connection(make, self.host, self.port), CONNECT_TIMEOUT)
             except (OSError, asyncio.TimeoutError) as exc:
@@ -313,7 +326,7 @@ class PeerLink:
             self.on_error()
             log.exception("%s: handling a connection change failed", self.endpoint)
 
-    def _received(self, conn: _Connection, frames: list[bytes]) -> None:
+    def received(self, conn: _Connection, frames: list[bytes]) -> None:
         self._on_message(frames)
 
     def post(self, payload: bytes) -> None:

@@ -311,7 +311,7 @@ class Router:
         self.connections += 1 if event == zmq.EVENT_ACCEPTED else -1
 
     def post(self, identity: bytes, payload: bytes) -> None:
-        """Queue a message for the peer ``identity`` (see LoopSocket.post); one to a
+        """Queue a message for the peer ``identity`` (see Outbox); one to a
         departed identity, or past a full queue, is dropped."""
         if self._io is not None:
             self._io.outbox.post(payload, identity)
@@ -368,7 +368,7 @@ class Dealer:
         return self._io.errors if self._io is not None else 0
 
     def post(self, payload: bytes) -> None:
-        """Queue a message (see LoopSocket.post); past a full queue it is dropped,
+        """Queue a message (see Outbox); past a full queue it is dropped,
         and ``on_dropped`` hears of it."""
         if self._io is not None:
             self._io.outbox.post(payload)

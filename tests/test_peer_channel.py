@@ -194,7 +194,6 @@ async def test_a_connection_that_never_names_itself_is_closed(channel, monkeypat
 
 async def test_refused_connections_are_logged_once_per_interval_with_a_count(channel, caplog):
     server, _, _, _, _ = await channel()
-    peer_channel._refusals.pop(server.bound, None)  # a port reused from an earlier test
     host, port = split_endpoint(server.bound)
     for _ in range(4):
         reader, writer = await asyncio.open_connection(host, port)
@@ -203,7 +202,7 @@ async def test_refused_connections_are_logged_once_per_interval_with_a_count(cha
         writer.close()
     refusals = [r for r in caplog.records if "closing a connection" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]
-    peer_channel._refusals[server.bound] = (0.0, 3)  # the interval passed: the next one reports the rest
+    server.refusals.logged_at = 0.0  # the interval passed: the next one reports the rest
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"GET / HTTP/1.1\r\n")
     assert await asyncio.wait_for(reader.read(), 5) == b""
