@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import INLINE_KV_BYTES
+from .config import INLINE_KV_BYTES, TCP_LANES
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
@@ -124,6 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pdxfer daemons' --inline-kv-bytes: rooms with at most N bytes of KV send them inside the aux "
                    "record instead of as transfer-engine writes; 0 sends every byte through the engine, as the baseline "
                    f"does (default: the daemons' default, {INLINE_KV_BYTES})")
+    g.add_argument("--tcp-lanes", type=int, default=TCP_LANES, metavar="N",
+                   help="connections to a peer the transfer engine writes over, for pdxfer (its daemons' --tcp-lanes) and the "
+                   "baseline alike (its engines' MC_TCP_LANES_PER_PEER), so both move bytes the same way; 0 leaves the "
+                   f"engine's default of 4 (default: {TCP_LANES}, the daemons' default)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

@@ -137,10 +137,15 @@ def targets(report: dict) -> list[dict]:
     ]
 
 
+def _lanes(n: int) -> str:
+    return f"{n} engine lanes" if n else "the engine's default lanes"
+
+
 def format_report(report: dict) -> str:
     cfg, box = report["config"], report["box"]
     lines = [
-        f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback; seed {cfg['seed']}; "
+        f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback, "
+        f"{_lanes(cfg.get('tcp_lanes', 0))} per peer for pdxfer and baseline; seed {cfg['seed']}; "
         f"{box['cpus']} CPUs, {box['seconds']:.0f} s",
     ]
     if box["foreign_share"] > BUSY_SHARE:

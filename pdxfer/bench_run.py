@@ -27,7 +27,9 @@ import numpy as np
 
 from .bench_plan import Plan, block_counts
 from .bench_raw import proc_sample
+from .config import TCP_LANES
 from .launch import LaunchError, read_events, sim_argv, start_daemon
+from .paths import engine_env
 
 Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
 
@@ -41,6 +43,7 @@ class RunOptions:
     window: int = 512  # baseline writes in flight
     corrupt: bool = False  # flip a destination byte before the check (testing aid)
     inline_kv_bytes: int | None = None  # the pdxfer daemons' --inline-kv-bytes (None: their default)
+    tcp_lanes: int = TCP_LANES  # pdxfer's --tcp-lanes and the baseline engines' MC_TCP_LANES_PER_PEER (0: the engine's default)
 
 
 @dataclass
@@ -124,18 +127,19 @@ def _await_event(proc: subprocess.Popen, name: str, timeout: float) -> dict:
     raise LaunchError(f"{' '.join(proc.args[2:4])} exited or gave no {name!r} line within {timeout:g}s (code {proc.poll()})")
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2"), **(extra or {})}
 
 
 def raw_argv(role: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "pdxfer.bench_raw", role, *flags]
 
 
-def _spawn(argv: list[str], log_path: str) -> subprocess.Popen:
-    """Start a process that takes lines on stdin, prints JSON lines, logs to log_path."""
+def _spawn(argv: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a process that takes lines on stdin, prints JSON lines, logs to log_path
+    (``env``: extra variables)."""
     with open(log_path, "w") as log:
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_env(), text=True)
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_env(env), text=True)
 
 
 def _say(proc: subprocess.Popen, line: str) -> None:
@@ -193,14 +197,15 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
     timings = os.path.join(opts.workdir, "baseline-timings.npz")
     corrupt = ["--corrupt"] if opts.corrupt else []
     procs: dict[str, subprocess.Popen] = {}
+    lanes = engine_env("tcp", opts.tcp_lanes, os.environ)  # the lanes pdxfer's engines get
     try:
-        procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *corrupt), _log(opts.workdir, "te-target"))
+        procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *corrupt), _log(opts.workdir, "te-target"), lanes)
         ready = _await_event(target, "ready", opts.timeout)
         procs["writer"] = writer = _spawn(
             raw_argv("te-writer", "--plan", plan_path, "--peer", ready["session"], "--dst-base", str(ready["base"]),
                      "--api", opts.api, "--in-flight", str(plan.workload.in_flight), "--window", str(opts.window),
                      "--timings", timings),
-            _log(opts.workdir, "te-writer"),
+            _log(opts.workdir, "te-writer"), lanes,
         )
         writer_ready = _await_event(writer, "ready", opts.timeout)
         target_before = proc_sample(target.pid)
@@ -225,7 +230,7 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
 
 
 def _start_daemons(runtime: str, opts: RunOptions) -> dict:
-    flags = ["--log-level", "warning", "--aux-path", opts.aux_path]
+    flags = ["--log-level", "warning", "--aux-path", opts.aux_path, "--tcp-lanes", str(opts.tcp_lanes)]
     if opts.inline_kv_bytes is not None:
         flags += ["--inline-kv-bytes", str(opts.inline_kv_bytes)]
     logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}

@@ -13,10 +13,12 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
+from .paths import MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
 ENV_PREFIX = "PDXFER_"
 INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
+TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
 
 Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
 AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
@@ -69,6 +71,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     peer_window: Annotated[
         int, _doc("transfer-engine writes in flight per peer; kept well under the engine's per-peer queue (1024 for tcp)", ge=1, le=65535)
     ] = 512
+    tcp_lanes: Annotated[
+        int,
+        _doc("tcp: connections the transfer engine writes to each peer over, one write in flight on each, every write "
+             "waiting for the destination's acknowledgement (sets the engine's MC_TCP_LANES_PER_PEER; 0: the engine's "
+             "default of 4)", ge=0, le=MAX_TCP_LANES),
+    ] = TCP_LANES
     max_message_bytes: Annotated[int, _doc("largest engine or peer message accepted, in bytes", ge=4096)] = 64 * 1024 * 1024
     engine_queue: Annotated[int, _doc("ZMQ messages queued per engine or admin socket before further ones are refused or dropped (the high-water mark); each carries up to 8 of ours, more when a sender batches more. A bootstrap connection queues up to twice max_message_bytes instead", ge=1)] = 4096
     bootstrap_timeout: Annotated[float, _doc("seconds a room may stay Bootstrapping", gt=0)] = 30.0

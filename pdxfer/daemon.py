@@ -430,7 +430,12 @@ def read_secret(path: str) -> bytes:
 def make_transport(cfg: Config) -> Transport:
     from .transport.mooncake import MooncakeTransport
 
-    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata)
+    engine_env = paths.engine_env(cfg.protocol, cfg.tcp_lanes, os.environ)
+    lanes = engine_env.get(paths.TCP_LANES_ENV)
+    if lanes and os.environ.get(paths.TCP_LANES_ENV, lanes) != lanes:
+        log.warning("tcp_lanes %s overrides %s=%s from the environment (tcp_lanes 0 keeps the environment's)",
+                    lanes, paths.TCP_LANES_ENV, os.environ[paths.TCP_LANES_ENV])
+    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata, engine_env)
     if not cfg.inject_faults:
         return transport
     from .transport.faults import FaultInjectingTransport, FaultSpec

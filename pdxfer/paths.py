@@ -7,6 +7,7 @@ since the GPU, NVLink and Ascend paths cannot run on a CPU-only host.
 from __future__ import annotations
 
 import enum
+from typing import Mapping
 
 from .errors import Unsupported
 
@@ -30,6 +31,11 @@ POOL_KINDS = {
     "ascend": ("npu_ipc",),
     "hixl": ("npu_ipc",),
 }
+
+# The transfer engine's TCP settings, read from its environment when it starts.
+TCP_LANES_ENV = "MC_TCP_LANES_PER_PEER"  # connections per peer, each carrying one write at a time
+TCP_LEGACY_PROTO_ENV = "MC_TCP_PROTO"  # "1": unacknowledged writes
+MAX_TCP_LANES = 16  # the engine's own limit
 
 # The device a pool kind needs bound in the daemon.
 POOL_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "npu_ipc": "npu"}
@@ -63,6 +69,25 @@ def send_kv_inline(aux_path: AuxPath, pool_kind: str, configured: int, peer_limi
     which is what bounds small rooms. Only where the record goes over TCP anyway, and
     the daemon can read its pool (host memory), as for what it takes (inline_kv_limit)."""
     return aux_path is AuxPath.TCP and 0 < nbytes <= min(inline_kv_limit(pool_kind, configured), peer_limit)
+
+
+def engine_env(protocol: str, lanes: int, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment the transfer engine must start with, given the daemon's own.
+
+    A3 holds over tcp only because the engine reports a write done once the
+    destination acknowledged it; MC_TCP_PROTO=1 makes it report writes done when they
+    leave the socket buffer, so an aux record could arrive before its KV. Refused.
+    ``lanes`` (0: the engine's default) sets how many writes to a peer are in flight
+    at once: each waits for its acknowledgement, so on a busy host more lanes keep
+    the wire full."""
+    if protocol != "tcp":
+        return {}
+    if env.get(TCP_LEGACY_PROTO_ENV) == "1":
+        raise Unsupported(
+            f"{TCP_LEGACY_PROTO_ENV}=1 is set: the transfer engine would report tcp writes done before they land, "
+            "and an aux record could overtake its KV; unset it"
+        )
+    return {TCP_LANES_ENV: str(lanes)} if lanes else {}
 
 
 def device_kind(device: str) -> str:

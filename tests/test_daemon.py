@@ -54,6 +54,16 @@ def test_daemon_without_the_device_it_was_asked_for_exits_saying_what_is_missing
 
 
 @needs_mooncake
+def test_daemon_refuses_unacknowledged_tcp_writes(runtime_dir, tmp_path):
+    log = tmp_path / "proto.log"
+    with open(log, "w") as fh, pytest.raises(LaunchError, match="exited with code 1"):
+        start_daemon("prefill", runtime_dir, stderr=fh, timeout=20, env={"MC_TCP_PROTO": "1"})
+    text = log.read_text()
+    assert "cannot start" in text and "MC_TCP_PROTO=1" in text
+    assert "Transfer Engine" not in text  # refused before an engine came up
+
+
+@needs_mooncake
 def test_gpu_pool_on_a_cpu_daemon_is_refused_with_what_it_needs(pair):
     _, decode = pair
     client = Client(decode.engine, timeout=10)

@@ -1,4 +1,4 @@
-"""Path decisions (A2, D1) checked directly: the GPU, NVLink and Ascend paths cannot
+"""Path decisions (A2, A3, D1) checked directly: the GPU, NVLink and Ascend paths cannot
 run on a CPU-only host, so these pure functions are where they are tested."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ import pytest
 
 from pdxfer import errors
 from pdxfer.config import AuxPathChoice, Protocol
-from pdxfer.paths import ENGINE_PROTOCOL, POOL_KINDS, AuxPath, check_pool, choose_aux_path, startup_steps
+from pdxfer.paths import (
+    ENGINE_PROTOCOL, MAX_TCP_LANES, POOL_KINDS, TCP_LANES_ENV, TCP_LEGACY_PROTO_ENV, AuxPath, check_pool, choose_aux_path,
+    engine_env, startup_steps,
+)
 
 PROTOCOLS = typing.get_args(Protocol)
 
@@ -109,3 +112,23 @@ def test_engine_protocol_names():
     assert ENGINE_PROTOCOL["hixl"] == "ascend"
     for same in ("tcp", "rdma", "nvlink", "ascend"):
         assert ENGINE_PROTOCOL[same] == same
+
+
+def test_tcp_engine_gets_the_lanes_asked_for():
+    assert engine_env("tcp", 8, {}) == {TCP_LANES_ENV: "8"}
+    assert engine_env("tcp", MAX_TCP_LANES, {TCP_LANES_ENV: "2"}) == {TCP_LANES_ENV: str(MAX_TCP_LANES)}
+    assert engine_env("tcp", 0, {TCP_LANES_ENV: "2"}) == {}  # 0: the environment's (or the engine's default)
+
+
+@pytest.mark.parametrize("protocol", [p for p in PROTOCOLS if p != "tcp"])
+def test_other_protocols_leave_the_tcp_settings_alone(protocol):
+    assert engine_env(protocol, 8, {TCP_LEGACY_PROTO_ENV: "1"}) == {}
+
+
+def test_unacknowledged_tcp_writes_are_refused():
+    # A3: with MC_TCP_PROTO=1 a write is "done" once it left the socket buffer, so the
+    # aux record could overtake its KV.
+    with pytest.raises(errors.Unsupported, match=TCP_LEGACY_PROTO_ENV):
+        engine_env("tcp", 8, {TCP_LEGACY_PROTO_ENV: "1"})
+    for harmless in ("", "2", "0"):  # the engine takes exactly "1" as the legacy framing
+        assert engine_env("tcp", 8, {TCP_LEGACY_PROTO_ENV: harmless}) == {TCP_LANES_ENV: "8"}

@@ -14,9 +14,11 @@ the engine and re-registers everything; the pump calls it when a probe fails.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
+from typing import Mapping
 
 import numpy as np
 
@@ -67,8 +69,10 @@ def load_engine_class():
 
 
 class MooncakeTransport:
-    def __init__(self, host: str, protocol: str = "tcp", devices: str = "", metadata: str = "P2PHANDSHAKE") -> None:
+    def __init__(self, host: str, protocol: str = "tcp", devices: str = "", metadata: str = "P2PHANDSHAKE",
+                 engine_env: Mapping[str, str] | None = None) -> None:
         self.host = host
+        self.engine_env = dict(engine_env or {})  # set in the environment before an engine starts (it reads it there)
         self.protocol = protocol
         self.devices = devices
         self.metadata = metadata
@@ -86,6 +90,7 @@ class MooncakeTransport:
         return self._local_name if self.metadata != "P2PHANDSHAKE" else f"{self.host}:{engine.get_rpc_port()}"
 
     def _new_engine(self):
+        os.environ.update(self.engine_env)
         engine = load_engine_class()()
         # A metadata store keys segments by the name given: make it unique with a free port.
         self._local_name = self.host if self.metadata == "P2PHANDSHAKE" else f"{self.host}:{free_port(self.host)}"
