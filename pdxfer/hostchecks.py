@@ -163,6 +163,18 @@ def check_protocols(s: Settings, probe: dict, devices: dict, gpu: dict, npu: dic
     return Check("protocols", "OK", f"{detail} (asked for {s.protocol})")
 
 
+def check_engine_env(s: Settings, env) -> Check:
+    """The transfer engine's settings in the environment that would break pdxfer."""
+    from .errors import Unsupported
+    from .paths import TCP_LEGACY_PROTO_ENV, engine_env
+
+    try:
+        engine_env(s.protocol, 0, env)
+    except Unsupported as exc:
+        return Check("engine settings", "FAIL", exc.message, f"unset {TCP_LEGACY_PROTO_ENV} (the daemon refuses to start with it)")
+    return Check("engine settings", "OK", f"{TCP_LEGACY_PROTO_ENV} {'is not set' if TCP_LEGACY_PROTO_ENV not in env else 'is ' + repr(env[TCP_LEGACY_PROTO_ENV])}")
+
+
 # --- host resources
 
 

@@ -589,6 +589,11 @@ def test_doctor_checks_fail_with_a_fix(tmp_path):
     npu = {"acl": None, "devices": []}
     protocols = checks.check_protocols(s, probe, {}, {"cudart": None, "count": 0}, npu)
     assert protocols.status == "FAIL" and "rdma (no RDMA devices" in protocols.detail and "tcp" in protocols.fix
+    tcp = checks.Settings(**{**s.__dict__, "protocol": "tcp"})
+    legacy = checks.check_engine_env(tcp, {"MC_TCP_PROTO": "1"})
+    assert legacy.status == "FAIL" and "overtake" in legacy.detail and "unset MC_TCP_PROTO" in legacy.fix
+    assert checks.check_engine_env(tcp, {}).status == "OK"
+    assert checks.check_engine_env(s, {"MC_TCP_PROTO": "1"}).status == "OK"  # rdma does not use it
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
