@@ -155,6 +155,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def by_repeat(runs: list[RunResult], against: list[RunResult], key: str) -> list[float | None]:
+    """``runs``' figure over ``against``'s, repeat by repeat (runs of one repeat are
+    neighbours in time, so this shows how far the box's load moved the ratio); None
+    where either run failed."""
+    return [None if a.error or b.error else _ratio(a.figures()[key], b.figures()[key]) for a, b in zip(runs, against)]
+
+
 def summarize(runs: list[RunResult]) -> dict:
     good = [r for r in runs if not r.error]
     return {
@@ -265,6 +272,8 @@ def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dic
             "systems": systems,
             "ratios": {"pdxfer/baseline": ratios("baseline", [k for k, _, _ in FIGURES]),
                        "pdxfer/wire": ratios("wire", ("gbps", "rooms_per_s"))},
+            "gbps_by_repeat": {"pdxfer/baseline": by_repeat(by_key["pdxfer"], by_key[best], "gbps")
+                               if best and "pdxfer" in by_key else []},
         }
     if args.plan_indices:
         report["planning"] = planning_figures(args, report)

@@ -30,8 +30,9 @@ room, every system) after the timed window; any mismatch or failed room is repor
 and the command exits 1. Figures are medians over --repeat runs; each workload
 prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room, CPU seconds per
 GB of the two byte-moving processes (pdxfer: the daemons), their resident memory,
-and the ratio pdxfer/baseline of each (and pdxfer/wire). A progress bar runs on
-stderr."""
+and the ratio pdxfer/baseline of each (and pdxfer/wire), then pdxfer/baseline GB/s
+in each repeat (its runs are neighbours in time; the spread is the box's noise). A
+progress bar runs on stderr."""
 
 
 def size_range(text: str) -> tuple[float, float]:

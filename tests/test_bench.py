@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
-from pdxfer.bench import planning_figures
-from pdxfer.bench_report import format_report
+from pdxfer.bench import by_repeat, planning_figures
+from pdxfer.bench_report import format_report, targets
+from pdxfer.bench_run import RunResult
 from pdxfer.cli import build_parser
 from pdxfer.plan import layout_regions
 
@@ -116,6 +117,22 @@ def test_report_flags_a_cpu_speed_change_during_the_run(probe, warned):
     text = format_report(report)
     assert f"{probe[0]:.1f} ms before, {probe[1]:.1f} ms after" in text
     assert ("CPU speed changed" in text) is warned
+
+
+def test_ratios_repeat_by_repeat_pair_neighbouring_runs_and_show_the_spread():
+    def run(system: str, seconds: float, error: str = "") -> RunResult:
+        return RunResult(system, "medium", rooms=4, ok=4, bytes=2 * 10**9, seconds=seconds, error=error)
+
+    pdxfer = [run("pdxfer", 1.0), run("pdxfer", 2.0), run("pdxfer", 1.0, error="died")]
+    baseline = [run("baseline", 0.8), run("baseline", 1.0), run("baseline", 1.0)]
+    paired = by_repeat(pdxfer, baseline, "gbps")
+    assert paired[:2] == [pytest.approx(0.8), pytest.approx(0.5)] and paired[2] is None
+    wl = {"systems": {}, "gbps_by_repeat": {"pdxfer/baseline": paired}, "ratios": {"pdxfer/baseline": {"gbps": 0.65}, "pdxfer/wire": {}}}
+    medium = next(t for t in targets({"workloads": {"medium": wl}, "sweep": []}) if t["target"].startswith("medium"))
+    assert medium["met"] is False and medium["spread"] == "repeats 0.50x-0.80x"
+    report = {"config": {"repeat": 3, "seed": 1}, "workloads": {}, "sweep": [], "targets": [medium],
+              "box": {"cpus": 2, "seconds": 9.0, "foreign_cpu_s": 0.0, "foreign_share": 0.0}}
+    assert "0.65x   MISSED   (repeats 0.50x-0.80x)" in format_report(report)
 
 
 def test_every_bench_flag_is_explained():
