@@ -144,7 +144,10 @@ class Daemon:
             service.close_link = self._close_link
             service.send_link = self._send_link
         if cfg.role is Role.DECODE:
+            from .transport.mooncake import installed_release
+
             service.name = f"{cfg.host}/{cfg.instance}"
+            service.engine_release = installed_release()
             service.probe_base = self.transport.scratch + PROBE_BYTES
             service.later = loop.call_later
         service.session = self.session
@@ -428,8 +431,9 @@ def read_secret(path: str) -> bytes:
 
 
 def make_transport(cfg: Config) -> Transport:
-    from .transport.mooncake import MooncakeTransport
+    from .transport.mooncake import MooncakeTransport, installed_release
 
+    paths.check_engine_release(cfg.protocol, installed_release(), "this daemon's")
     engine_env = paths.engine_env(cfg.protocol, cfg.tcp_lanes, os.environ)
     lanes = engine_env.get(paths.TCP_LANES_ENV)
     if lanes and os.environ.get(paths.TCP_LANES_ENV, lanes) != lanes:

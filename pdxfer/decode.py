@@ -111,6 +111,7 @@ class DecodeService(RoomService):
         self.work: dict[int, DecodeWork] = {}
         self.name = ""  # stable name peers know this daemon by
         self.probe_base = 0
+        self.engine_release = ""  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
         self.open_link: Callable[[str], None] = lambda endpoint: None
         self.close_link: Callable[[str], None] = lambda endpoint: None
         self.send_link: Callable[[str, Message], None] = lambda endpoint, message: None
@@ -185,6 +186,7 @@ class DecodeService(RoomService):
             probe_base=self.probe_base,
             verify_kv=self.config.verify_kv,
             inline_kv_bytes=paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes),
+            engine_release=self.engine_release,
         )
 
     def on_kv_registered(self) -> None:

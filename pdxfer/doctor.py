@@ -30,11 +30,13 @@ from .hostchecks import (
     npu_facts,
     rdma_devices,
 )
+from .transport.mooncake import installed_release
 
 DESCRIPTION = """\
 Check this host for what a pdxfer daemon needs, and say how to fix each failure:
 the Mooncake transfer engine (importable, initialises over tcp on 127.0.0.1, which
-protocols it can serve here, no MC_TCP_PROTO=1 in the environment), RDMA devices, libibverbs and libnuma, /dev/shm space
+protocols it can serve here, a release that acknowledges tcp writes and no
+MC_TCP_PROTO=1 in the environment), RDMA devices, libibverbs and libnuma, /dev/shm space
 for the engines' pools (--pool-bytes), the runtime directory for the sockets
 (owner-only, short enough for socket paths), the bootstrap and HTTP ports, the
 GPU or NPU for --device, and, for each daemon found (--daemon, --name, or every
@@ -174,7 +176,7 @@ def run_checks(args) -> tuple[Settings, list[Check]]:
         config_check,
         engine,
         check_protocols(s, probe, devices, gpu, npu),
-        check_engine_env(s, os.environ),
+        check_engine_env(s, os.environ, installed_release()),
         check_rdma(s, devices),
         check_libraries(),
         check_shm(s.pool_bytes),

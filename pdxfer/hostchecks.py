@@ -27,7 +27,6 @@ rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
 flags = {k: bool(getattr(m, k)) for k in dir(m) if k.startswith("SUPPORT_")}
 print(json.dumps({"rc": rc, "port": engine.get_rpc_port() if rc == 0 else 0, "flags": flags}))
 """
-ENGINE_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 
 
 @dataclass
@@ -62,14 +61,10 @@ def _size(n: float) -> str:
 
 
 def engine_version() -> str:
-    from importlib import metadata
+    from .transport.mooncake import installed_engine
 
-    for dist in ENGINE_WHEELS:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "mooncake (version unknown)"
+    found = installed_engine()
+    return " ".join(found) if found else "mooncake (version unknown)"
 
 
 def check_engine(timeout: float = 30.0) -> tuple[Check, dict]:
@@ -163,16 +158,22 @@ def check_protocols(s: Settings, probe: dict, devices: dict, gpu: dict, npu: dic
     return Check("protocols", "OK", f"{detail} (asked for {s.protocol})")
 
 
-def check_engine_env(s: Settings, env) -> Check:
-    """The transfer engine's settings in the environment that would break pdxfer."""
+def check_engine_env(s: Settings, env, release: str) -> Check:
+    """What would break A3 over tcp: the engine's unacknowledged framing asked for in
+    the environment, or an engine release from before acknowledged writes."""
     from .errors import Unsupported
-    from .paths import TCP_LEGACY_PROTO_ENV, engine_env
+    from .paths import TCP_LEGACY_PROTO_ENV, check_engine_release, engine_env
 
     try:
         engine_env(s.protocol, 0, env)
     except Unsupported as exc:
         return Check("engine settings", "FAIL", exc.message, f"unset {TCP_LEGACY_PROTO_ENV} (the daemon refuses to start with it)")
-    return Check("engine settings", "OK", f"{TCP_LEGACY_PROTO_ENV} {'is not set' if TCP_LEGACY_PROTO_ENV not in env else 'is ' + repr(env[TCP_LEGACY_PROTO_ENV])}")
+    try:
+        check_engine_release(s.protocol, release, "this host's")
+    except Unsupported as exc:
+        return Check("engine settings", "FAIL", exc.message, "pip install -U mooncake-transfer-engine-non-cuda (or the CUDA build); make deps pins one")
+    proto = f"{TCP_LEGACY_PROTO_ENV} {'is not set' if TCP_LEGACY_PROTO_ENV not in env else 'is ' + repr(env[TCP_LEGACY_PROTO_ENV])}"
+    return Check("engine settings", "OK", f"{proto}; engine release {release or 'unknown'}")
 
 
 # --- host resources

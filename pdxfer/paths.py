@@ -36,6 +36,9 @@ POOL_KINDS = {
 TCP_LANES_ENV = "MC_TCP_LANES_PER_PEER"  # connections per peer, each carrying one write at a time
 TCP_LEGACY_PROTO_ENV = "MC_TCP_PROTO"  # "1": unacknowledged writes
 MAX_TCP_LANES = 16  # the engine's own limit
+# The engine's first release whose tcp writes complete only once the destination
+# acknowledged them; the writer speaks that framing only to a target that does too.
+ACKED_TCP_SINCE = (0, 3, 12)
 
 # The device a pool kind needs bound in the daemon.
 POOL_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "npu_ipc": "npu"}
@@ -88,6 +91,32 @@ def engine_env(protocol: str, lanes: int, env: Mapping[str, str]) -> dict[str, s
             "and an aux record could overtake its KV; unset it"
         )
     return {TCP_LANES_ENV: str(lanes)} if lanes else {}
+
+
+def release_numbers(version: str) -> tuple[int, ...] | None:
+    """The leading numbers of a package version ("0.3.13.post1" -> (0, 3, 13)); None
+    when it has none (unknown)."""
+    numbers = []
+    for part in version.strip().split("."):
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if digits:
+            numbers.append(int(part[:digits]))
+        if digits < len(part) or not digits:  # "12rc1" ends the release numbers after 12
+            break
+    return tuple(numbers) or None
+
+
+def check_engine_release(protocol: str, version: str, whose: str) -> None:
+    """A3 over tcp needs both engines to acknowledge writes at the destination (see
+    engine_env); a writer reports writes done on sending them when either side
+    predates that. Refuse a release known to predate it; an unknown one passes."""
+    numbers = release_numbers(version)
+    if protocol == "tcp" and numbers is not None and numbers < ACKED_TCP_SINCE:
+        since = ".".join(map(str, ACKED_TCP_SINCE))
+        raise Unsupported(
+            f"{whose} transfer engine is {version}: before {since} it reports a tcp write done when it is sent, not when "
+            f"it has landed, so an aux record could overtake its KV; install mooncake-transfer-engine {since} or later"
+        )
 
 
 def device_kind(device: str) -> str:

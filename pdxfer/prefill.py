@@ -216,6 +216,12 @@ class PrefillService(RoomService):
         if hello.version != PROTOCOL_VERSION:
             self.send_peer(identity, PeerRefused(code=ErrorCode.VERSION_MISMATCH, reason=f"peer speaks protocol {hello.version}, this prefill daemon speaks {PROTOCOL_VERSION}"))
             return
+        try:
+            paths.check_engine_release(self.config.protocol, hello.engine_release, f"decode daemon {hello.name or hello.session}'s")
+        except errors.Unsupported as exc:
+            self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=exc.message))
+            log.warning("refused decode daemon %s: %s", hello.session, exc.message)
+            return
         ours = compat(self.kv, self.aux)
         if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
             diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"

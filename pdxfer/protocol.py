@@ -348,6 +348,7 @@ class PeerHello(Message, tag="peer_hello"):
     probe_base: Address = 0  # 64 scratch bytes a prefill may write to test its transfer session
     verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
     inline_kv_bytes: Count = 0  # the most KV this side takes inside an aux record (0: none; its pool is not host memory)
+    engine_release: str = ""  # version of this side's transfer engine package ("": unknown)
 
 
 class PeerWelcome(Message, tag="peer_welcome"):

@@ -630,6 +630,14 @@ def test_hellos_with_wrong_version_or_compat_are_refused(pair, peer_sock, change
         assert how in reply.reason, reply  # the refusal names the field that differs
 
 
+def test_a_hello_from_a_decode_whose_engine_predates_acknowledged_tcp_writes_is_refused(pair, peer_sock):
+    prefill, decode = pair
+    hello = msgspec.structs.replace(_real_hello(decode), engine_release="0.3.11.post1")
+    reply = check_peer_error(prefill, peer_sock, [envelope("c" * 16), CODEC.encode(hello)], kinds=(p.PeerRefused,),
+                             codes={"compat_mismatch"})
+    assert "0.3.11.post1" in reply.reason and "overtake" in reply.reason, reply
+
+
 def test_a_valid_hello_is_welcomed_and_a_silent_peer_forgotten(pair, daemons):
     """The positive control for the refusals above: the same hello, unchanged, to a
     prefill of its own (it adds a peer), which forgets the peer once it stays silent."""

@@ -590,10 +590,12 @@ def test_doctor_checks_fail_with_a_fix(tmp_path):
     protocols = checks.check_protocols(s, probe, {}, {"cudart": None, "count": 0}, npu)
     assert protocols.status == "FAIL" and "rdma (no RDMA devices" in protocols.detail and "tcp" in protocols.fix
     tcp = checks.Settings(**{**s.__dict__, "protocol": "tcp"})
-    legacy = checks.check_engine_env(tcp, {"MC_TCP_PROTO": "1"})
+    legacy = checks.check_engine_env(tcp, {"MC_TCP_PROTO": "1"}, "0.3.13")
     assert legacy.status == "FAIL" and "overtake" in legacy.detail and "unset MC_TCP_PROTO" in legacy.fix
-    assert checks.check_engine_env(tcp, {}).status == "OK"
-    assert checks.check_engine_env(s, {"MC_TCP_PROTO": "1"}).status == "OK"  # rdma does not use it
+    old = checks.check_engine_env(tcp, {}, "0.3.11.post1")
+    assert old.status == "FAIL" and "0.3.11.post1" in old.detail and "pip install" in old.fix
+    assert checks.check_engine_env(tcp, {}, "0.3.13.post1").status == "OK"
+    assert checks.check_engine_env(s, {"MC_TCP_PROTO": "1"}, "0.3.11").status == "OK"  # rdma does not use either
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()

@@ -10,8 +10,8 @@ import pytest
 from pdxfer import errors
 from pdxfer.config import AuxPathChoice, Protocol
 from pdxfer.paths import (
-    ENGINE_PROTOCOL, MAX_TCP_LANES, POOL_KINDS, TCP_LANES_ENV, TCP_LEGACY_PROTO_ENV, AuxPath, check_pool, choose_aux_path,
-    engine_env, startup_steps,
+    ENGINE_PROTOCOL, MAX_TCP_LANES, POOL_KINDS, TCP_LANES_ENV, TCP_LEGACY_PROTO_ENV, AuxPath, check_engine_release, check_pool,
+    choose_aux_path, engine_env, release_numbers, startup_steps,
 )
 
 PROTOCOLS = typing.get_args(Protocol)
@@ -132,3 +132,20 @@ def test_unacknowledged_tcp_writes_are_refused():
         engine_env("tcp", 8, {TCP_LEGACY_PROTO_ENV: "1"})
     for harmless in ("", "2", "0"):  # the engine takes exactly "1" as the legacy framing
         assert engine_env("tcp", 8, {TCP_LEGACY_PROTO_ENV: harmless}) == {TCP_LANES_ENV: "8"}
+
+
+@pytest.mark.parametrize(("version", "numbers"), [
+    ("0.3.13.post1", (0, 3, 13)), ("0.3.12rc1", (0, 3, 12)), ("0.3.11", (0, 3, 11)), ("1.0", (1, 0)), ("", None), ("unknown", None),
+])
+def test_release_numbers(version, numbers):
+    assert release_numbers(version) == numbers
+
+
+def test_engines_from_before_acknowledged_tcp_writes_are_refused_over_tcp():
+    with pytest.raises(errors.Unsupported, match="0.3.11.post1.*overtake"):
+        check_engine_release("tcp", "0.3.11.post1", "this daemon's")
+    for fine in ("0.3.12", "0.3.13.post1", "1.0", ""):  # "": unknown, nothing to judge
+        check_engine_release("tcp", fine, "this daemon's")
+    for protocol in PROTOCOLS:
+        if protocol != "tcp":
+            check_engine_release(protocol, "0.3.5", "this daemon's")

@@ -395,6 +395,23 @@ def test_a_push_to_a_departed_engine_is_dropped_quietly(daemons):
     assert "Future exception was never retrieved" not in log, log[log.find("Future exception") :][:600]
 
 
+def test_a_decode_daemon_tells_the_prefill_its_transfer_engine_release(daemons):
+    """So that a prefill can refuse an engine whose tcp writes are not acknowledged (A3)."""
+    from pdxfer.transport.mooncake import installed_release
+
+    port = free_port()
+    d = daemons("decode", name="release")
+    cd = engine(d)
+    fake = FakePrefill(port, "rel0000000000000")
+    try:
+        cd.expect(300, f"127.0.0.1:{port}", pages(0), cd.alloc_slot())
+        _, hello = fake.recv_kind(PeerHello)
+        assert hello.engine_release and hello.engine_release == installed_release()
+    finally:
+        fake.close()
+        cd.close()
+
+
 def test_a_stale_unknown_peer_reply_does_not_fail_a_room_made_after_the_new_hello(daemons):
     port = free_port()
     # Heartbeat silence never decides here; the fake answers none.

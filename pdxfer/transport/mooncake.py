@@ -40,6 +40,27 @@ DEFAULT_TCP_QUEUE = 1024  # the engine's per-peer queue unless MC_TCP_MAX_QUEUED
 RETIRED_KEPT = 8
 
 
+ENGINE_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+
+
+def installed_engine() -> tuple[str, str] | None:
+    """(package, version) of the transfer engine installed here, or None."""
+    from importlib import metadata
+
+    for dist in ENGINE_WHEELS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_release() -> str:
+    """The installed transfer engine's version, or "" when unknown."""
+    found = installed_engine()
+    return found[1] if found else ""
+
+
 def peer_queue_limit(protocol: str, env) -> int | None:
     """How many writes the engine queues per peer before refusing more (tcp only)."""
     if protocol != "tcp":
