@@ -99,9 +99,10 @@ def release_numbers(version: str) -> tuple[int, ...] | None:
     numbers = []
     for part in version.strip().split("."):
         digits = len(part) - len(part.lstrip("0123456789"))
-        if digits:
-            numbers.append(int(part[:digits]))
-        if digits < len(part) or not digits:  # "12rc1" ends the release numbers after 12
+        if not digits:
+            break
+        numbers.append(int(part[:digits]))
+        if digits < len(part):  # "12rc1": the release numbers end with 12
             break
     return tuple(numbers) or None
 

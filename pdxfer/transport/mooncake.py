@@ -13,6 +13,7 @@ the engine and re-registers everything; the pump calls it when a probe fails.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ RETIRED_KEPT = 8
 ENGINE_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 
 
+@functools.lru_cache(maxsize=1)  # reading package metadata scans sys.path; the answer cannot change
 def installed_engine() -> tuple[str, str] | None:
     """(package, version) of the transfer engine installed here, or None."""
     from importlib import metadata
