@@ -89,11 +89,14 @@ class Daemon:
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes)
                 self._bootstrap.on_error = self._peer_handler_failed
+                self._bootstrap.on_dropped = self._peer_messages_dropped
                 bound = await self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
+                self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
+                self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout)
         self.service = self._make_service()
         # Peers, engines and operators are let in only now that the service exists.
@@ -385,6 +388,7 @@ class Daemon:
         cfg = self.config
         link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes)
         link.on_error = self._peer_handler_failed
+        link.on_dropped = self._peer_messages_dropped
         link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),
@@ -405,6 +409,11 @@ class Daemon:
 
     def _peer_handler_failed(self) -> None:
         self.service.count_failure("task:peer-message")
+
+    def _peer_messages_dropped(self, to: bytes | None, payloads: list[bytes]) -> None:
+        """Messages to a peer that could not be queued (logged by the channel): their
+        rooms end by timeout or fencing; the count tells an operator why."""
+        self.service.count_failure("dropped:peer-message", len(payloads))
 
     def _close_link(self, endpoint: str) -> None:
         link = self._links.pop(endpoint, None)

@@ -101,7 +101,7 @@ class _Collector:
         for name, n in pump.depths().items():
             queues.add_metric([name], n)
         yield queues
-        errors = CounterMetricFamily("pdxfer_errors", "Failed rooms and task errors, by reason", labels=["reason"])
+        errors = CounterMetricFamily("pdxfer_errors", "Failed rooms, task errors and peer messages dropped, by reason", labels=["reason"])
         for reason, n in service.failures.items():
             errors.add_metric([reason], n)
         yield errors

@@ -167,7 +167,7 @@ class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
     each message of each identified connection; ``post(identity, payload)`` queues a
     reply (see wire.Outbox); one to an identity not connected, or past a full send
-    buffer, is dropped. A connection with an identity already connected replaces it
+    buffer, is dropped and ``on_dropped`` hears of it. A connection with an identity already connected replaces it
     (a decode daemon that reconnected)."""
 
     def __init__(self, host: str, port: int, max_bytes: int) -> None:
@@ -176,6 +176,7 @@ class PeerServer:
         self.max_bytes = max_bytes
         self.bound = ""
         self.on_error: Callable[[], None] = lambda: None  # a message handler raised (logged too)
+        self.on_dropped: Dropped = lambda to, payloads: None
         self.refusals = _RefusalLog()
         self._server: asyncio.AbstractServer | None = None
         self._open: set[_Connection] = set()
@@ -237,6 +238,9 @@ class PeerServer:
         elif not conn.send(self._head(payloads) + payloads):
             log.warning("%s: dropped %d messages to %r: its connection is closing or %d bytes are queued for it",
                         self.bound, len(payloads), identity, conn.queue_bytes)
+        else:
+            return
+        self.on_dropped(identity, payloads)
 
     def close(self) -> None:
         """Send what was posted, stop listening, and close every connection once

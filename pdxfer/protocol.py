@@ -315,7 +315,7 @@ class Busy(Message, tag="busy"):
 
 
 class Stats(Message, tag="stats"):
-    """Counts a daemon holds now; ``failures`` counts failed rooms and task errors by code since start."""
+    """Counts a daemon holds now; ``failures`` counts, since start, failed rooms by error code, handler and task errors (``task:NAME``) and peer messages dropped (``dropped:peer-message``)."""
 
     req: ReqId
     rooms: dict[str, int]

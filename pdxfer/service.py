@@ -340,8 +340,8 @@ class RoomService:
         last, self._last_tick = self._last_tick, now
         return bool(last) and now - last > limit / 2
 
-    def count_failure(self, reason: str) -> None:
-        self.failures[reason] += 1
+    def count_failure(self, reason: str, n: int = 1) -> None:
+        self.failures[reason] += n
 
     def stats(self, req: int = 0) -> Stats:
         slots = self.aux.slots.counts() if self.aux is not None else {}

@@ -168,7 +168,7 @@ class LoopSocket:
     """A plain ZMQ socket whose incoming messages the event loop hands to
     ``on_message`` as they arrive, and whose posted messages leave in batches (one
     ZMQ message per destination per turn of the loop, or per SEND_AT messages). A
-    callback's exception is logged and counted (``errors``) and the socket goes on (H1)."""
+    callback's exception is logged, ``on_error`` hears of it, and the socket goes on (H1)."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str, head: Head = _no_head) -> None:
         self.sock = sock
@@ -176,7 +176,7 @@ class LoopSocket:
         self.name = name
         self.head = head
         self.on_dropped: Dropped = lambda to, payloads: None
-        self.errors = 0
+        self.on_error: Callable[[], None] = lambda: None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False  # inside _readable, which reads again anyway
         self._look_pending = False  # a _readable call is already scheduled
@@ -209,7 +209,7 @@ class LoopSocket:
                 try:
                     self.on_message(frames)
                 except Exception:
-                    self.errors += 1
+                    self.on_error()
                     log.exception("%s: handling a message failed", self.name)
             self._look_soon()  # more may be waiting
         finally:
@@ -273,7 +273,8 @@ def _monitor(sock: zmq.Socket, events: int, on_event: Callable[[int], None], nam
 
 class Router:
     """A bound ROUTER: the daemon's engine, bootstrap or admin endpoint.
-    ``on_message(identity, frames)`` gets each message."""
+    ``on_message(identity, frames)`` gets each message; ``on_error()`` hears of each
+    one whose handler raised."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, hwm: int) -> None:
         self.ctx = ctx
@@ -282,6 +283,7 @@ class Router:
         self.hwm = hwm
         self.bound = ""
         self.connections = 0  # peers connected now (ROUTER sockets do not say who left, only that someone did)
+        self.on_error: Callable[[], None] = lambda: None
         self._io: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
 
@@ -299,13 +301,10 @@ class Router:
         restrict_ipc(self.endpoint)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._io = LoopSocket(sock, lambda frames: on_message(frames[0], frames[1:]), self.bound, head)
+        self._io.on_error = lambda: self.on_error()
         self._io.attach(loop)
         self._monitor.attach(loop)
         return self.bound
-
-    @property
-    def errors(self) -> int:
-        return self._io.errors if self._io is not None else 0
 
     def _connection(self, event: int) -> None:
         self.connections += 1 if event == zmq.EVENT_ACCEPTED else -1
@@ -362,10 +361,6 @@ class Dealer:
         if on_dropped is not None:
             self._io.on_dropped = on_dropped
         self._io.attach(loop)
-
-    @property
-    def errors(self) -> int:
-        return self._io.errors if self._io is not None else 0
 
     def post(self, payload: bytes) -> None:
         """Queue a message (see Outbox); past a full queue it is dropped,

@@ -14,6 +14,7 @@ import zmq
 
 from pdxfer import config, errors, memory
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
+from pdxfer.daemon import Daemon
 from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
 from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Ok, RegisterKV, Role, RoomState
@@ -158,6 +159,39 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
         if service.kv is not None:
             service.kv.memory.close()
         pool.close()
+
+
+@needs_mooncake
+async def test_an_engine_message_whose_handler_raises_is_counted_and_the_daemon_keeps_serving(runtime_dir):
+    """A bug in a handler must not kill the engine channel (H1), and an operator must
+    see it: pdxfer_errors{reason="task:engine-message"}, also in stats()."""
+    daemon = Daemon(config.Config(role=Role.DECODE, runtime_dir=runtime_dir))
+    await daemon.start()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    client = AsyncClient(daemon.engine_endpoint, timeout=5)
+    try:
+        handle = daemon.service.on_engine
+
+        def buggy(identity, payload):
+            if msgspec.msgpack.decode(payload).get("req") == 7:
+                raise RuntimeError("a bug in a handler")
+            return handle(identity, payload)
+
+        daemon.service.on_engine = buggy
+        raw.connect(daemon.engine_endpoint)
+        raw.send(Codec().encode(GetStats(req=7)))
+        await client.connect()
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await client.stats()).failures.get("task:engine-message", 0) == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the handler's failure was not counted"
+            await asyncio.sleep(0.01)
+        assert (await client.stats()).failures["task:engine-message"] == 1
+        daemon._peer_messages_dropped(b"peer", [b"a", b"b"])
+        assert (await client.stats()).failures["dropped:peer-message"] == 2
+    finally:
+        raw.close(0)
+        await client.close()
+        await daemon.stop()
 
 
 async def test_concurrent_slot_requests_share_a_grant_instead_of_hearing_busy(daemons):

@@ -163,6 +163,18 @@ async def test_posts_while_unconnected_are_bounded_and_the_excess_is_reported(ch
     assert [frames[0][0] for _, frames in at_server] == list(range(8))
 
 
+async def test_replies_to_a_peer_not_connected_are_dropped_and_reported(channel):
+    server, link, at_server, _, _ = await channel()
+    dropped = []
+    server.on_dropped = lambda to, payloads: dropped.append((to, payloads))
+    link.post(b"hello")
+    await arrived(lambda: at_server)
+    server.post(b"link-1", b"reaches it")
+    server.post(b"gone", b"lost")
+    server._outbox.flush()
+    assert dropped == [(b"gone", [b"lost"])]
+
+
 async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
     server, _, _, _, _ = await channel(max_bytes=64 * 1024)
     host, port = split_endpoint(server.bound)

@@ -50,6 +50,30 @@ async def test_posts_of_one_turn_leave_as_one_message_per_destination_in_order(s
     assert at_dealer == [[b"r0", b"r1"]]
 
 
+async def test_a_handler_that_raises_is_reported_and_the_next_message_still_arrives(runtime_dir):
+    loop, ctx = asyncio.get_running_loop(), zmq.Context.instance()
+    got, failures = [], []
+
+    def handle(identity, frames):
+        if frames == [b"bad"]:
+            raise RuntimeError("a bug in the handler")
+        got.append(frames)
+
+    router = Router(ctx, f"ipc://{runtime_dir}/raise.sock", 1 << 20, 10_000)
+    router.on_error = lambda: failures.append(1)
+    dealer = Dealer(ctx, router.start(loop, handle), b"d", 1 << 20, 10_000)
+    dealer.start(loop, lambda frames: None)
+    try:
+        dealer.post(b"bad")
+        dealer._io.outbox.flush()  # two ZMQ messages, not one batch
+        dealer.post(b"good")
+        await arrived(lambda: got)
+        assert got == [[b"good"]] and failures == [1]
+    finally:
+        dealer.close()
+        router.close()
+
+
 async def test_a_full_batch_leaves_at_once_and_the_rest_follows(sockets):
     router, dealer, at_router, _ = sockets()
     n = 3 * SEND_AT + 3
