@@ -162,10 +162,10 @@ def check_engine_env(s: Settings, env, release: str) -> Check:
     """What would break A3 over tcp: the engine's unacknowledged framing asked for in
     the environment, or an engine release from before acknowledged writes."""
     from .errors import Unsupported
-    from .paths import TCP_LEGACY_PROTO_ENV, check_engine_release, engine_env
+    from .paths import TCP_LEGACY_PROTO_ENV, check_engine_release, check_tcp_framing
 
     try:
-        engine_env(s.protocol, 0, env)
+        check_tcp_framing(s.protocol, env)
     except Unsupported as exc:
         return Check("engine settings", "FAIL", exc.message, f"unset {TCP_LEGACY_PROTO_ENV} (the daemon refuses to start with it)")
     try:

@@ -74,23 +74,24 @@ def send_kv_inline(aux_path: AuxPath, pool_kind: str, configured: int, peer_limi
     return aux_path is AuxPath.TCP and 0 < nbytes <= min(inline_kv_limit(pool_kind, configured), peer_limit)
 
 
-def engine_env(protocol: str, lanes: int, env: Mapping[str, str]) -> dict[str, str]:
-    """The environment the transfer engine must start with, given the daemon's own.
-
-    A3 holds over tcp only because the engine reports a write done once the
+def check_tcp_framing(protocol: str, env: Mapping[str, str]) -> None:
+    """A3 holds over tcp only because the engine reports a write done once the
     destination acknowledged it; MC_TCP_PROTO=1 makes it report writes done when they
-    leave the socket buffer, so an aux record could arrive before its KV. Refused.
-    ``lanes`` (0: the engine's default) sets how many writes to a peer are in flight
-    at once: each waits for its acknowledgement, so on a busy host more lanes keep
-    the wire full."""
-    if protocol != "tcp":
-        return {}
-    if env.get(TCP_LEGACY_PROTO_ENV) == "1":
+    leave the socket buffer, so an aux record could arrive before its KV. Refused."""
+    if protocol == "tcp" and env.get(TCP_LEGACY_PROTO_ENV) == "1":
         raise Unsupported(
             f"{TCP_LEGACY_PROTO_ENV}=1 is set: the transfer engine would report tcp writes done before they land, "
             "and an aux record could overtake its KV; unset it"
         )
-    return {TCP_LANES_ENV: str(lanes)} if lanes else {}
+
+
+def engine_env(protocol: str, lanes: int, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment the transfer engine must start with, given the daemon's own
+    (refused as check_tcp_framing says). ``lanes`` (0: the engine's default) sets how
+    many writes to a peer are in flight at once: each waits for its acknowledgement,
+    so on a busy host more lanes keep the wire full."""
+    check_tcp_framing(protocol, env)
+    return {TCP_LANES_ENV: str(lanes)} if lanes and protocol == "tcp" else {}
 
 
 def release_numbers(version: str) -> tuple[int, ...] | None:
@@ -109,7 +110,7 @@ def release_numbers(version: str) -> tuple[int, ...] | None:
 
 def check_engine_release(protocol: str, version: str, whose: str) -> None:
     """A3 over tcp needs both engines to acknowledge writes at the destination (see
-    engine_env); a writer reports writes done on sending them when either side
+    check_tcp_framing); a writer reports writes done on sending them when either side
     predates that. Refuse a release known to predate it; an unknown one passes."""
     numbers = release_numbers(version)
     if protocol == "tcp" and numbers is not None and numbers < ACKED_TCP_SINCE:

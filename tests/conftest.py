@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -23,6 +24,19 @@ def _transfer_engine_available() -> str:
 
 MOONCAKE_MISSING = _transfer_engine_available()
 needs_mooncake = pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "-")
+
+
+def settle(transport, handle: int, seconds: float):
+    """Poll a write until it is no longer pending, for up to ``seconds``; its last
+    status. (A settled handle is freed by the engine: it is not polled again.)"""
+    from pdxfer.transport import Status
+
+    deadline = time.monotonic() + seconds
+    status = transport.poll(handle)
+    while status is Status.PENDING and time.monotonic() < deadline:
+        time.sleep(0.001)
+        status = transport.poll(handle)
+    return status
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import ast
 import asyncio
 import os
 import re
-import time
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from pdxfer.chaos import ChaosSpec, run_chaos, settled_stats
 from pdxfer.client import Client
 from pdxfer.protocol import KVLayout, Layout
 
-from .conftest import needs_mooncake, small_layout
+from .conftest import needs_mooncake, settle, small_layout
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
@@ -156,11 +155,7 @@ def test_engines_replaced_by_resets_are_kept_to_a_bound_and_writes_go_on():
             writer.reset()
         assert threads() <= at_bound, "replaced engines beyond the bound were kept"
         (handle,) = writer.submit(target.session, [int(src.ctypes.data)], [int(dst.ctypes.data)], [src.nbytes])
-        deadline, status = time.monotonic() + 10, Status.PENDING
-        while status is Status.PENDING and time.monotonic() < deadline:  # a settled handle is gone: poll it once
-            status = writer.poll(handle)
-            time.sleep(0.01)
-        assert status is Status.DONE and (dst == src).all()
+        assert settle(writer, handle, 10) is Status.DONE and (dst == src).all()
     finally:
         writer.close()
         target.close()

@@ -4,14 +4,13 @@ how many connections it writes to a peer over."""
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 import pytest
 
 from pdxfer.paths import TCP_LANES_ENV
 
-from .conftest import needs_mooncake
+from .conftest import needs_mooncake, settle
 
 pytestmark = needs_mooncake
 
@@ -47,13 +46,8 @@ def connections_used(engine_env: dict[str, str]) -> int:
         offsets = [i * WRITE_BYTES for i in range(WRITES)]
         handles = writer.submit(target.session, [int(src.ctypes.data) + o for o in offsets],
                                 [int(dst.ctypes.data) + o for o in offsets], [WRITE_BYTES] * WRITES)
-        deadline = time.monotonic() + 20
         for handle in handles:
-            status = writer.poll(handle)
-            while status is Status.PENDING and time.monotonic() < deadline:
-                time.sleep(0.001)
-                status = writer.poll(handle)
-            assert status is Status.DONE
+            assert settle(writer, handle, 20) is Status.DONE
         assert (dst == src).all()
         after = established_by_remote_port()
         return max((after[port] - before[port] for port in after), default=0)
