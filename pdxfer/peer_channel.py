@@ -167,8 +167,8 @@ class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
     each message of each identified connection; ``post(identity, payload)`` queues a
     reply (see wire.Outbox); one to an identity not connected, or past a full send
-    buffer, is dropped and ``on_dropped`` hears of it. A connection with an identity already connected replaces it
-    (a decode daemon that reconnected)."""
+    buffer, is dropped and ``on_dropped`` hears of it. A connection with an identity
+    already connected replaces it (a decode daemon that reconnected)."""
 
     def __init__(self, host: str, port: int, max_bytes: int) -> None:
         self.host = host
@@ -233,13 +233,13 @@ class PeerServer:
 
     def _send_batch(self, identity: bytes | None, payloads: list[bytes]) -> None:
         conn = self._by_identity.get(identity)
+        if conn is not None and conn.send(self._head(payloads) + payloads):
+            return
         if conn is None:  # the peer left: common, and its rooms fail by its absence
             log.debug("%s: dropped %d messages to %r, which is not connected", self.bound, len(payloads), identity)
-        elif not conn.send(self._head(payloads) + payloads):
+        else:
             log.warning("%s: dropped %d messages to %r: its connection is closing or %d bytes are queued for it",
                         self.bound, len(payloads), identity, conn.queue_bytes)
-        else:
-            return
         self.on_dropped(identity, payloads)
 
     def close(self) -> None:
