@@ -24,6 +24,9 @@ from .bench_raw import APIS as RAW_APIS
 from .bench_report import FIGURES, format_report, targets
 from .bench_run import RUNNERS, RunOptions, RunResult
 from .demo import ProgressBar
+from .memory import room_for_pools
+from .plan import pool_bytes
+from .tables import size
 
 WIRE_WORKLOADS = ("large", "medium", "small")
 BANDWIDTH_WORKLOADS = ("large", "medium")  # bound by moving bytes, not by messages
@@ -172,10 +175,26 @@ def summarize(runs: list[RunResult]) -> dict:
     }
 
 
+def memory_shortfall(needs: dict[str, int], room: int) -> str:
+    """Why the biggest run cannot map its pools here, or "". ``needs``: bytes of shared
+    memory by workload; a run maps a source and a destination pool at once."""
+    name, need = max(needs.items(), key=lambda item: item[1])
+    if need <= room:
+        return ""
+    return (f"the {name} workload needs {size(need)} of shared memory (a source and a destination pool, each holding "
+            f"every room's pages) but {size(room)} is left; give it fewer rooms (--{name.split('-')[0]}-rooms) or smaller rooms")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     workloads = build_workloads(args)
     if not workloads:
         print("pdxfer bench: nothing to run", file=sys.stderr)
+        return 2
+    room = room_for_pools()
+    # Checked once before planning, at every room's fewest pages, so that absurd sizes
+    # are refused before their plans fill memory, and again with the plans' real sizes.
+    if shortfall := memory_shortfall({w.name: 2 * pool_bytes(w.layout(w.rooms * w.min_pages)) for w in workloads}, room):
+        print(f"pdxfer bench: {shortfall}", file=sys.stderr)
         return 2
     workdir = args.workdir or tempfile.mkdtemp(prefix="pdxfer-bench-")
     os.makedirs(workdir, exist_ok=True)
@@ -184,6 +203,11 @@ def run_bench(args: argparse.Namespace) -> int:
         plan, path = make_plan(w, args.seed), os.path.join(workdir, f"plan-{w.name}.npz")
         plan.save(path)
         plans[w.name] = (plan, path)
+    if shortfall := memory_shortfall({name: 2 * pool_bytes(plan.layout) for name, (plan, _) in plans.items()}, room):
+        print(f"pdxfer bench: {shortfall}", file=sys.stderr)
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 2
     probe_before = cpu_probe_ms()
     box_before, wall_before = box_cpu(), time.monotonic()
     runs = run_all(args, workloads, plans, workdir)

@@ -17,7 +17,7 @@ import secrets
 
 import numpy as np
 
-from .errors import BadMessage, Unsupported
+from .errors import BadMessage, InsufficientCapacity, Unsupported
 from .paths import device_kind
 from .protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
 
@@ -40,6 +40,12 @@ class SharedMemory:
     @classmethod
     def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
         sweep_orphans(prefix)
+        room = room_for_pools()
+        if size > room:  # refused now: a pool faulted in past this ends in SIGBUS or the OOM killer
+            raise InsufficientCapacity(
+                f"a {size}-byte pool does not fit in shared memory: {room} bytes left "
+                f"({SHM_DIR} free space or the memory available, whichever is less)"
+            )
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -84,6 +90,21 @@ class SharedMemory:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+
+
+def room_for_pools(path: str = SHM_DIR) -> int:
+    """Bytes new pools can still take: the shared-memory filesystem's free space, or the
+    memory the kernel reports available when that is less (tmpfs pages are RAM)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return min(free, int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return free
 
 
 def sweep_orphans(prefix: str) -> list[str]:

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
-from pdxfer.bench import by_repeat, planning_figures
+from pdxfer.bench import by_repeat, memory_shortfall, planning_figures
 from pdxfer.bench_report import format_report, targets
 from pdxfer.bench_run import RunResult
 from pdxfer.cli import build_parser
-from pdxfer.plan import layout_regions
+from pdxfer.plan import layout_regions, pool_bytes
 
 from .conftest import needs_mooncake
 
@@ -142,6 +142,25 @@ def test_every_bench_flag_is_explained():
     for action in bench._actions:
         if action.dest != "help":
             assert action.help and len(action.help) > 15, f"{action.option_strings} has no help"
+
+
+def test_a_bench_too_big_for_shared_memory_names_the_workload_and_the_flag_that_shrinks_it():
+    small = Workload("medium", rooms=4, in_flight=2, layers=2, page_size=4, token_bytes=64, min_pages=1, max_pages=2)
+    big = Workload("sweep-64", rooms=64, in_flight=64, layers=2, page_size=4, token_bytes=64, min_pages=1, max_pages=2)
+    needs = {w.name: 2 * pool_bytes(make_plan(w, 1).layout) for w in (small, big)}  # a source and a destination pool
+    assert needs["sweep-64"] > needs["medium"]
+    assert memory_shortfall(needs, room=needs["sweep-64"]) == ""
+    why = memory_shortfall(needs, room=needs["sweep-64"] - 1)
+    assert "sweep-64 workload" in why and "--sweep-rooms" in why
+
+
+@pytest.mark.parametrize("rooms", ["200000", "900000000"])  # the second would fill memory with its plan alone
+def test_bench_refuses_sizes_that_do_not_fit_before_starting_anything(rooms):
+    proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", "--workloads", "medium", "--medium-rooms", rooms],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "medium workload needs" in proc.stderr and "--medium-rooms" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0  # the refusal alone: no run, no progress bar
 
 
 TINY_FLAGS = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -209,3 +210,13 @@ async def test_concurrent_slot_requests_share_a_grant_instead_of_hearing_busy(da
             await client.alloc_slot()
     finally:
         await client.close()
+
+
+def test_a_pool_larger_than_shared_memory_is_refused_before_anything_is_mapped():
+    """Faulting in a pool past /dev/shm's room ends in SIGBUS or the OOM killer, with
+    the pages left behind; the engine gets a clear error instead, and no file."""
+    before = set(os.listdir(memory.SHM_DIR))
+    too_big = memory.room_for_pools() + 2**30
+    with pytest.raises(errors.InsufficientCapacity, match="does not fit in shared memory"):
+        memory.SharedMemory.create(too_big, prefix="pdxfer-test")
+    assert set(os.listdir(memory.SHM_DIR)) - before == set()
