@@ -411,9 +411,11 @@ class Daemon:
         self.service.count_failure("task:peer-message")
 
     def _peer_messages_dropped(self, to: bytes | None, payloads: list[bytes]) -> None:
-        """Messages to a peer that could not be queued (logged by the channel): their
-        rooms end by timeout or fencing; the count tells an operator why."""
+        """Messages to a peer that could not be queued (logged by the channel): counted,
+        and their rooms failed on the next turn of the loop, since a drop can happen
+        inside the very handler that posted the message."""
         self.service.count_failure("dropped:peer-message", len(payloads))
+        asyncio.get_running_loop().call_soon(self.service.unsent, payloads)
 
     def _close_link(self, endpoint: str) -> None:
         link = self._links.pop(endpoint, None)

@@ -481,6 +481,11 @@ class DecodeService(RoomService):
             link.unfenced.add((room.slot, room.generation))
         return False
 
+    def never_sent(self, room: Room, msg: Message) -> None:
+        w = self.work.get(room.id)
+        if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of the room: nothing to tell, nothing can land
+            w.peer_failed = w.peer_fenced = True
+
     def engine_of(self, room: Room) -> bytes:
         w = self.work.get(room.id)
         return w.engine if w else b""

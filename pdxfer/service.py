@@ -343,6 +343,17 @@ class RoomService:
     def count_failure(self, reason: str, n: int = 1) -> None:
         self.failures[reason] += n
 
+    def unsent(self, payloads: list[bytes]) -> None:
+        """Peer messages that could not be queued (the connection was closing, or too
+        much already waited for it): the live rooms they were about fail now, as
+        peer_unreachable, rather than at their timeout."""
+        for payload in payloads:
+            msg = self.codec.peer_messages.decode(payload)
+            room = self.rooms.find(getattr(msg, "room", 0))
+            if room is not None and not room.finished:
+                self.never_sent(room, msg)
+                self.fail(room, ErrorCode.PEER_UNREACHABLE, "a message for this room could not be sent to the peer daemon (its connection was closing, or too much already waited for it)")
+
     def stats(self, req: int = 0) -> Stats:
         slots = self.aux.slots.counts() if self.aux is not None else {}
         return Stats(
@@ -421,6 +432,9 @@ class RoomService:
             slot = self.aux.slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.GRANTED, SlotState.ARMED, SlotState.WRITTEN):
                 self.aux.slots.release(room.slot, room.generation, self.clock())
+
+    def never_sent(self, room: Room, msg: Message) -> None:
+        """Hook: ``msg``, about the live ``room``, was dropped before it left this process."""
 
     def forget(self, room: Room) -> None:
         """Hook: drop the role's per-room state."""

@@ -18,7 +18,7 @@ from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.daemon import Daemon
 from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Ok, RegisterKV, Role, RoomState
+from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState
 from pdxfer.wire import MAX_BATCH
 
 from .conftest import needs_mooncake, small_layout
@@ -187,7 +187,8 @@ async def test_an_engine_message_whose_handler_raises_is_counted_and_the_daemon_
             assert asyncio.get_running_loop().time() < deadline, "the handler's failure was not counted"
             await asyncio.sleep(0.01)
         assert (await client.stats()).failures["task:engine-message"] == 1
-        daemon._peer_messages_dropped(b"peer", [b"a", b"b"])
+        about_no_live_room = [Codec().encode(Heartbeat(seq=1)), Codec().encode(RoomAck(room=5))]
+        daemon._peer_messages_dropped(b"peer", about_no_live_room)
         assert (await client.stats()).failures["dropped:peer-message"] == 2
     finally:
         raw.close(0)

@@ -491,3 +491,29 @@ def test_a_sync_engine_waiting_on_its_killed_daemon_hears_so_at_once(daemons):
         assert time.monotonic() - killed < 30  # a liveness bound, far below the 60 s timeout
     finally:
         cd.close()
+
+
+async def test_a_room_request_that_cannot_be_queued_for_an_unreachable_prefill_fails_its_room_at_once(daemons):
+    """While its prefill cannot be reached, a decode daemon holds room requests up to
+    twice --max-message-bytes. A request past that is dropped, and its room fails then
+    (peer_unreachable) instead of waiting out a 60 s bootstrap timeout, fenced at once
+    since the prefill never heard of it; the rooms whose requests wait are untouched."""
+    d = daemons("decode", *HB_FLAGS, "--max-message-bytes", "4096", "--bootstrap-timeout", "60", name="d")
+    cd = AsyncClient(d.engine, timeout=60.0)
+    await cd.connect()
+    try:
+        await cd.create_kv_pool(small_layout(num_pages=1024))
+        await cd.create_aux_buffer(4, 64)
+        nowhere = f"127.0.0.1:{free_port()}"
+        many = list(range(900))  # a 3.6 KB page list: two requests wait, the third is over 8 KiB
+        for room in (101, 102, 103):
+            await cd.expect(room, nowhere, many, await cd.alloc_slot())
+        started = time.monotonic()
+        status = await cd.wait(103, timeout=60)
+        assert time.monotonic() - started < 5  # far below the 60 s bootstrap and the 10 s fence timeouts
+        assert (status.state, status.code, status.fenced) == (RoomState.FAILED, ErrorCode.PEER_UNREACHABLE, True)
+        assert "could not be sent to the peer daemon" in status.reason
+        assert [(await cd.poll(room)).state for room in (101, 102)] == [RoomState.BOOTSTRAPPING] * 2
+        assert (await cd.stats()).failures["dropped:peer-message"] >= 1  # and heartbeats, once the queue is full
+    finally:
+        await cd.close()
