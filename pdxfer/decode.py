@@ -88,6 +88,7 @@ class PrefillLink:
     beat_wall: float = 0.0  # wall clock when the last heartbeat left
     rtt: float = -1.0  # seconds, from the last answered heartbeat
     skew: float = 0.0  # the prefill's wall clock minus ours
+    connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
 
 
 @dataclass(eq=False)
@@ -409,7 +410,7 @@ class DecodeService(RoomService):
                 self._forget_link(link)
                 continue
             link.unfenced = {(s, g) for s, g in link.unfenced if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
-            if now - link.last_beat >= interval:
+            if link.connected and now - link.last_beat >= interval:
                 if link.beats and link.last_heard < link.last_beat:
                     self.heartbeat_misses += 1  # not a word since the last one
                 link.beats += 1
@@ -433,7 +434,10 @@ class DecodeService(RoomService):
     def on_connection(self, endpoint: str, event: str) -> None:
         """The link's TCP connection came or went (the link reconnects by itself)."""
         link = self.links.get(endpoint)
-        if link is not None and event == "disconnected" and self._live_rooms(link):
+        if link is None:
+            return
+        link.connected = event == "connected"
+        if not link.connected and self._live_rooms(link):
             self.declare_dead(link, f"prefill {endpoint} closed its connection")
 
     def declare_dead(self, link: PrefillLink, reason: str) -> None:
