@@ -389,6 +389,7 @@ class Daemon:
         link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes)
         link.on_error = self._peer_handler_failed
         link.on_dropped = self._peer_messages_dropped
+        link.keep = self.service.still_wanted
         link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),

@@ -485,6 +485,22 @@ class DecodeService(RoomService):
             link.unfenced.add((room.slot, room.generation))
         return False
 
+    def still_wanted(self, payload: bytes) -> bool:
+        """For a link that connects: whether a message posted while it was down still
+        goes. A room_request whose room ended meanwhile does not: once the room is
+        released its pages may be another room's. The prefill never heard of that
+        room, so a failed one is fenced now."""
+        msg = self.codec.peer_messages.decode(payload)
+        if not isinstance(msg, RoomRequest):
+            return True
+        room = self.rooms.find(msg.room)
+        if room is not None and not room.finished:
+            return True
+        if room is not None:
+            self.never_sent(room, msg)
+            self.fenced(room)
+        return False
+
     def never_sent(self, room: Room, msg: Message) -> None:
         w = self.work.get(room.id)
         if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of the room: nothing to tell, nothing can land

@@ -286,6 +286,7 @@ class PeerLink:
         self._on_message: Callable[[list[bytes]], None] = lambda frames: None
         self._on_connection: Callable[[str], None] = lambda event: None
         self.on_dropped: Dropped = lambda to, payloads: None
+        self.keep: Callable[[bytes], bool] = lambda payload: True  # on connecting: whether one posted meanwhile still goes
 
     def start(
         self,
@@ -314,7 +315,8 @@ class PeerLink:
                 self._conn = conn
                 waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
                 for payloads in waiting:
-                    self._send_batch(None, payloads)
+                    if payloads := [p for p in payloads if self.keep(p)]:
+                        self._send_batch(None, payloads)
                 self._tell("connected")
                 await lost
             finally:  # also when close() cancels this task: the connection goes with it

@@ -519,3 +519,33 @@ async def test_a_room_request_that_cannot_be_queued_for_an_unreachable_prefill_f
         assert (await cd.stats()).failures["dropped:peer-message"] == 1  # no heartbeat queued (and dropped) while the link is down
     finally:
         await cd.close()
+
+
+def test_a_room_request_queued_while_the_prefill_was_unreachable_is_not_sent_once_its_room_ended(daemons):
+    """A decode daemon keeps what it posts to an unreachable prefill and sends it on
+    connecting. A room_request whose room ended meanwhile must not go: once the engine
+    released the room, its pages may be another room's. A failed room whose request
+    never left is fenced on connecting (the prefill never heard of it), not after its
+    60 s lease and fence timeout."""
+    port = free_port()
+    d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "60", "--fence-timeout", "60", name="d")
+    cd = engine(d)
+    try:
+        for room in (100, 101, 102):
+            cd.expect(room, f"127.0.0.1:{port}", pages(room - 100), cd.alloc_slot())
+        cd.abort(100, "the engine gave up")  # failed, not fenced: its request might have left
+        cd.abort(101, "the engine gave up")
+        assert (cd.poll(100).state, cd.poll(100).fenced) == (F, False)
+        fake = FakePrefill(port, "late000000000000")
+        try:
+            _, request = fake.recv_kind(RoomRequest)
+            assert request.room == 102  # 100's and 101's requests stayed behind
+            assert cd.wait(100, timeout=5).fenced and cd.wait(101, timeout=5).fenced
+            later, deadline = [], time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                later.append(fake.recv(timeout=1.0)[1])  # heartbeats keep coming: never empty
+            assert not [m for m in later if isinstance(m, RoomRequest)], later
+        finally:
+            fake.close()
+    finally:
+        cd.close()
