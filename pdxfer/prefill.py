@@ -17,6 +17,7 @@ the decode side release a dead writer's destination after that bound.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 import zlib
@@ -399,6 +400,9 @@ class PrefillService(RoomService):
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
         room = self.rooms.find(msg.room)
+        if room is None and msg.room not in self.finished:  # its request never reached us: a tombstone tells a later send() why
+            with contextlib.suppress(errors.Busy):  # a full table: a later send() waits out its bootstrap timeout instead
+                room = self.rooms.create(msg.room, self.role, self.clock())
         if room is not None and not room.finished:
             self.fail(room, msg.code, f"decode side: {msg.reason}")
             return

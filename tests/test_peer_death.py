@@ -549,3 +549,34 @@ def test_a_room_request_queued_while_the_prefill_was_unreachable_is_not_sent_onc
             fake.close()
     finally:
         cd.close()
+
+
+def test_a_prefill_that_never_got_a_rooms_request_still_refuses_its_send_with_the_decode_sides_reason(daemons):
+    """The request of a room aborted while its prefill was unreachable is never sent
+    (above); the room_failed that follows it still is, and the prefill keeps it as a
+    tombstone, so its engine's send() for that room hears why at once instead of
+    waiting out the bootstrap timeout."""
+    port = free_port()
+    d = daemons("decode", *HB_FLAGS, name="d")
+    cd = engine(d)
+    try:
+        cd.expect(300, f"127.0.0.1:{port}", pages(0), cd.alloc_slot())
+        cd.abort(300, "the user went away")
+        p = daemons("prefill", *HB_FLAGS, "--bootstrap-port", str(port), name="p")
+        cp = engine(p)
+        try:
+            assert cd.wait(300, timeout=5).fenced
+
+            def failed_there() -> bool:
+                try:
+                    return cp.poll(300).state is F
+                except errors.UnknownRoom:
+                    return False
+
+            wait_until(failed_there, 5, "the prefill to learn of the decode side's failure")
+            with pytest.raises(errors.PdxferError, match="already failed.*the user went away"):
+                cp.send(300, pages(1), 8, cp.alloc_slot())
+        finally:
+            cp.close()
+    finally:
+        cd.close()
