@@ -17,7 +17,6 @@ the decode side release a dead writer's destination after that bound.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 import zlib
@@ -400,12 +399,11 @@ class PrefillService(RoomService):
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
         room = self.rooms.find(msg.room)
-        if room is None and msg.room not in self.finished:  # its request never reached us: a tombstone tells a later send() why
-            with contextlib.suppress(errors.Busy):  # a full table: a later send() waits out its bootstrap timeout instead
-                room = self.rooms.create(msg.room, self.role, self.clock())
         if room is not None and not room.finished:
             self.fail(room, msg.code, f"decode side: {msg.reason}")
             return
+        if room is None and msg.room not in self.finished:  # its request never reached us: a later send() hears why
+            self.remember(msg.room, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
         w = self.work.get(msg.room)
         if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
             self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))

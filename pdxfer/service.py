@@ -40,6 +40,7 @@ from .protocol import (
     RegisterKV,
     Release,
     Role,
+    RoomState,
     RoomStatus,
     Send,
     ShmHandle,
@@ -419,15 +420,19 @@ class RoomService:
             room.fenced = True
             self.push(room, self.engine_of(room))
 
+    def remember(self, room_id: int, state: RoomState, code: ErrorCode | None, reason: str) -> None:
+        """Keep a finished room's outcome (bounded, oldest out first) for a peer or engine asking late."""
+        self.finished[room_id] = (state, code, reason)
+        if len(self.finished) > self.config.max_rooms:
+            self.finished.popitem(last=False)
+
     def drop(self, room: Room) -> None:
         """Forget a finished room; its slot returns to the pool unless quarantined. Its
         outcome is remembered for a while (bounded), so a peer asking about it late
         gets an answer instead of a new, orphan room."""
         self.rooms.remove(room.id)
         self.forget(room)
-        self.finished[room.id] = (room.state, room.code, room.reason)
-        if len(self.finished) > self.config.max_rooms:
-            self.finished.popitem(last=False)
+        self.remember(room.id, room.state, room.code, room.reason)
         if room.slot >= 0 and self.aux is not None:
             slot = self.aux.slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.GRANTED, SlotState.ARMED, SlotState.WRITTEN):
