@@ -115,8 +115,10 @@ def scene(tmp_path_factory):
     try:
         prefill = start("prefill", "prefill", "--admin-writes")
         # Many heartbeat misses: the link to nobody must stay 'connecting' rather than be declared dead.
-        decode = start("decode", "decode", "--heartbeat-misses", "100", "--transfer-timeout", "60")
-        slow = start("prefill", "slow", "--inject-faults", "delay=1.0:20000", "--transfer-timeout", "60", "--stall-timeout", "60")
+        decode = start("decode", "decode", "--heartbeat-misses", "100", "--transfer-timeout", "600")
+        # Room 9's writes complete up to 600 s late: it stays Transferring however long
+        # this module takes (with 20 s, a slow run saw it finish before the tests that look at it).
+        slow = start("prefill", "slow", "--inject-faults", "delay=1.0:600000", "--transfer-timeout", "600", "--stall-timeout", "600")
         other = start("prefill", "other")
         s = Scene(runtime_dir, prefill, decode, slow, other, client(prefill), client(decode), client(slow),
                   client(other, small_layout(page_size=8)), f"127.0.0.1:{free_port()}")
@@ -367,7 +369,7 @@ def test_slots_json_and_table(scene):
     assert (table[index]["state"], table[index]["room"], table[index]["generation"]) == ("written", 2, gen)
     index, gen = s.slots["d", 11]
     assert (table[index]["state"], table[index]["room"], table[index]["generation"]) == ("quarantined", 11, gen)
-    assert table[index]["fence_in"] > 30  # transfer timeout (60 s) + fence timeout (10 s) after the abort
+    assert table[index]["fence_in"] > 300  # transfer timeout (600 s) + fence timeout (10 s) after the abort
     for room in (6, 8, 9, 12):
         index, gen = s.slots["d", room]
         assert (table[index]["state"], table[index]["room"]) == ("armed", room)
