@@ -114,7 +114,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def hazards(self) -> list[str]:
         """Settings valid one by one but unsafe together; the daemon logs them at start."""
         found = []
-        bound = self.heartbeat_interval * self.heartbeat_misses
+        bound = self.heartbeat_bound
         if self.transfer_timeout + self.fence_timeout <= bound:
             found.append(
                 f"transfer_timeout + fence_timeout ({self.transfer_timeout + self.fence_timeout:g}s) is not above "
@@ -123,6 +123,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "(keep the lease and fence timeout above the heartbeat bound, on both sides)"
             )
         return found
+
+    @property
+    def heartbeat_bound(self) -> float:
+        """Seconds of silence after which a peer is declared dead."""
+        return self.heartbeat_interval * self.heartbeat_misses
 
     @property
     def instance(self) -> str:

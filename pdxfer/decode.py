@@ -400,7 +400,7 @@ class DecodeService(RoomService):
         super().tick()
         now = self.clock()
         interval = self.config.heartbeat_interval
-        limit = interval * self.config.heartbeat_misses
+        limit = self.config.heartbeat_bound
         slots = self.aux.slots.slots if self.aux is not None else []
         stalled = self._stalled(now, limit)
         for link in list(self.links.values()):

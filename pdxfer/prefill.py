@@ -412,7 +412,7 @@ class PrefillService(RoomService):
 
     def tick(self) -> None:
         super().tick()
-        limit = self.config.heartbeat_interval * self.config.heartbeat_misses
+        limit = self.config.heartbeat_bound
         now = self.clock()
         if self._stalled(now, limit):  # we were frozen, not they silent: start their clocks again
             for peer in self.peers.values():
