@@ -111,19 +111,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
 
-    def hazards(self) -> list[str]:
-        """Settings valid one by one but unsafe together; the daemon logs them at start."""
-        found = []
-        bound = self.heartbeat_bound
-        if self.transfer_timeout + self.fence_timeout <= bound:
-            found.append(
-                f"transfer_timeout + fence_timeout ({self.transfer_timeout + self.fence_timeout:g}s) is not above "
-                f"heartbeat_interval x heartbeat_misses ({bound:g}s): a decode daemon may release a failed room's pages "
-                "while a prefill that has not yet declared it dead can still take a late request for that room "
-                "(keep the lease and fence timeout above the heartbeat bound, on both sides)"
-            )
-        return found
-
     @property
     def heartbeat_bound(self) -> float:
         """Seconds of silence after which a peer is declared dead."""

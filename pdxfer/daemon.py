@@ -77,8 +77,6 @@ class Daemon:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
-        for hazard in cfg.hazards():
-            log.warning("configuration: %s", hazard)
         self.seal = Seal(self.incarnation, read_secret(cfg.cluster_secret_file))
         self._ctx = zmq.Context()
         for step in paths.startup_steps(cfg.device):

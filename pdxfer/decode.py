@@ -13,10 +13,20 @@ has nothing in flight for the room, or, failing that, once its lease ran out: th
 prefill submits no write for a room later than the transfer timeout after it began
 writing, so ``fence_timeout`` past that, nothing can land. A prefill proven gone (a
 new incarnation answered at its address) fences its rooms at once.
+
+Leave to write. That lease starts on the prefill's clock, when it starts writing, and
+a prefill that stood still (SIGSTOP, swap) or sat behind a partition may read a room's
+request long after this side gave up on the room. So every room request and heartbeat
+also carries ``writes_until``: send time + transfer timeout + fence timeout, on the
+prefill's clock (this side bounds the offset from the prefill's answers). Messages on a
+link arrive in order, so a room not failed when the prefill reads one was live when it
+was sent, and is held at least that long; the prefill writes to this side only before
+the newest leave it read. Requests wait for the link's first offset (the welcome).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -59,6 +69,9 @@ from .stamp import HEADER_BYTES, Stamp, verify
 
 log = logging.getLogger("pdxfer.decode")
 
+# Offset samples kept per link: the best (largest) of the recent ones is used; older
+# ones go, since two hosts' monotonic clocks drift apart (tens of ppm).
+OFFSET_SAMPLES = 8
 IDLE_LINK_SECONDS = 60.0  # an idle link not heard from for this long (or 10 heartbeat bounds) is closed
 
 
@@ -89,6 +102,19 @@ class PrefillLink:
     rtt: float = -1.0  # seconds, from the last answered heartbeat
     skew: float = 0.0  # the prefill's wall clock minus ours
     connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
+    # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
+    # each was read there before the answer left and here after it arrived.
+    offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
+    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset
+
+    def clock_sample(self, theirs: float, now: float) -> None:
+        if theirs:
+            self.offsets.append(theirs - now)
+
+    def writes_until(self, now: float, span: float) -> float:
+        """Leave to write for ``span`` seconds from ``now``, on the prefill's clock and
+        never later than the truth; 0 before its clock was seen."""
+        return now + max(self.offsets) + span if self.offsets else 0.0
 
 
 @dataclass(eq=False)
@@ -143,14 +169,25 @@ class DecodeService(RoomService):
         self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy())
         link = self._link(endpoint)
         link.rooms.add(room.id)
-        self.send_link(
-            endpoint,
-            RoomRequest(
-                room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
-                num_draft_tokens=msg.num_draft_tokens, lease_ms=int(self.config.transfer_timeout * 1000),
-            ),
+        request = RoomRequest(
+            room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
+            num_draft_tokens=msg.num_draft_tokens, lease_ms=int(self.config.transfer_timeout * 1000),
         )
+        if link.offsets:
+            self._send_request(link, request)
+        else:  # its leave to write needs the prefill's clock: the welcome brings it
+            link.held[room.id] = request
         return Ok(req=msg.req)
+
+    def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
+        leave = link.writes_until(self.clock(), self._leave_span)
+        self.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
+
+    @property
+    def _leave_span(self) -> float:
+        """How long a room sent now keeps its pages at least, should it fail at once:
+        its lease, then the fence timeout (see fence_deadline)."""
+        return self.config.transfer_timeout + self.config.fence_timeout
 
     def _resolve(self, bootstrap: str, room: int) -> str:
         """A prefill daemon's bootstrap endpoint from host:port, or from its name in the registry."""
@@ -223,6 +260,7 @@ class DecodeService(RoomService):
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
         if isinstance(msg, HeartbeatAck):
+            link.clock_sample(msg.clock, self.clock())
             if msg.seq == link.beats:
                 link.rtt = self.clock() - link.last_beat
                 if msg.wall:
@@ -230,7 +268,11 @@ class DecodeService(RoomService):
             return
         if isinstance(msg, PeerWelcome):
             link.ready, link.incarnation, link.session = True, msg.incarnation, msg.session
+            link.clock_sample(msg.clock, self.clock())
             log.info("prefill daemon %s (incarnation %s) accepted this daemon", link.endpoint, msg.incarnation)
+            for request in link.held.values():
+                self._send_request(link, request)
+            link.held.clear()
             return
         if isinstance(msg, PeerRefused):
             self._refused(link, msg)
@@ -415,7 +457,7 @@ class DecodeService(RoomService):
                     self.heartbeat_misses += 1  # not a word since the last one
                 link.beats += 1
                 link.last_beat, link.beat_wall = now, time.time()
-                self.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall))
+                self.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall, writes_until=link.writes_until(now, self._leave_span)))
             # Silence counts only once the prefill has answered at all; before that the
             # bootstrap timeout covers a prefill that never shows up.
             if link.incarnation and now - link.last_heard > limit and self._live_rooms(link):
@@ -454,6 +496,7 @@ class DecodeService(RoomService):
         nothing of it can land any more."""
         old = link.incarnation
         link.incarnation, link.ready = incarnation, False
+        link.offsets.clear()  # perhaps another host's clock
         self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
         for room_id in list(link.rooms):
             room = self.rooms.find(room_id)
@@ -475,12 +518,15 @@ class DecodeService(RoomService):
         w = self.work.get(room.id)
         if w is None:
             return True
-        if not w.peer_failed:  # the prefill must learn it, or it waits for an ack until its timeout
+        if not w.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
             self.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        link = self.links.get(w.link)
+        held = link.held.pop(room.id, None) if link is not None else None
+        if held is not None:
+            self.never_sent(room, held)
         if w.peer_fenced:
             return True
         # Its RoomFailed(fenced) reply, or the lease, fences us.
-        link = self.links.get(w.link)
         if link is not None and room.slot >= 0:
             link.unfenced.add((room.slot, room.generation))
         return False

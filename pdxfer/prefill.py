@@ -10,8 +10,9 @@ only when the decode daemon acknowledged its stamp (A1).
 Decode daemons heartbeat every link; one that stays silent for heartbeat_misses
 intervals, or says hello again under the same name with a new incarnation, is
 declared dead and exactly its rooms fail. No block of a room is submitted after its
-lease (the transfer timeout, counted from when its writes start), which is what lets
-the decode side release a dead writer's destination after that bound.
+lease (the transfer timeout, counted from when its writes start), nor after the newest
+leave to write its decode daemon gave (protocol.Heartbeat): that is what lets the
+decode side release a dead or cut-off writer's destination after a bound of its own.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class DecodePeer:
     rooms: set[int] = field(default_factory=set)
     draining: bool = False
     skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
+    writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
 
     @property
     def label(self) -> str:
@@ -181,8 +183,10 @@ class PrefillService(RoomService):
                 wall = time.time()
                 if msg.wall:
                     peer.skew = msg.wall - wall
-                self.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall))
+                peer.writes_until = max(peer.writes_until, msg.writes_until)
+                self.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall, clock=self.clock()))
             elif isinstance(msg, RoomRequest):
+                peer.writes_until = max(peer.writes_until, msg.writes_until)
                 self._request(peer, msg)
             elif isinstance(msg, RoomAck):
                 self._ack(peer, msg)
@@ -238,7 +242,7 @@ class PrefillService(RoomService):
             old, peer.hello = peer.hello, hello
             if hello.memory_version != old.memory_version:
                 self._peer_relocated(peer, old.memory_version)
-        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=self.session))
+        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=self.session, clock=self.clock()))
 
     def _peer_relocated(self, peer: DecodePeer, old_version: int) -> None:
         """C3: rooms whose blocks were planned against the old destination fail."""
@@ -310,9 +314,17 @@ class PrefillService(RoomService):
             self.kv_inline_bytes += nbytes
             self._send_aux(room, w, kv.gather(w.src_pages))
             return
+        now = self.clock()
+        if peer.writes_until and now >= peer.writes_until:
+            self.fail(room, ErrorCode.LEASE_EXPIRED, (
+                f"the decode daemon's leave to write ran out {now - peer.writes_until:.1f}s ago and nothing from it "
+                "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
+            return
         if announce:
             self.send_peer(w.peer, TransferStarted(room=room.id))
-        w.lease_end = self.clock() + self._lease(req)
+        w.lease_end = now + self._lease(req)
+        if peer.writes_until:
+            w.lease_end = min(w.lease_end, peer.writes_until)
         w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
 

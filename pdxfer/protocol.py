@@ -28,7 +28,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
 RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]
@@ -355,6 +355,7 @@ class PeerWelcome(Message, tag="peer_welcome"):
     version: int
     incarnation: str
     session: str
+    clock: float  # the prefill's monotonic clock when it answered: the decode side bounds the two clocks' offset from it
 
 
 class PeerRefused(Message, tag="peer_refused"):
@@ -371,7 +372,8 @@ class RoomRequest(Message, tag="room_request"):
     generation: Positive
     memory_version: Positive
     num_draft_tokens: Count = 0
-    lease_ms: Count = 0  # the prefill submits no write for this room later than this after receipt
+    lease_ms: Count = 0  # the prefill submits no write for this room later than this after it starts writing
+    writes_until: float = 0.0  # leave to write, on the prefill's monotonic clock (see Heartbeat); 0: none given
 
 
 class RoomAccepted(Message, tag="room_accepted"):
@@ -419,15 +421,24 @@ class RoomFailed(Message, tag="room_failed"):
 
 
 class Heartbeat(Message, tag="heartbeat"):
-    """Decode -> prefill every heartbeat interval on every link."""
+    """Decode -> prefill every heartbeat interval on every link.
+
+    ``writes_until`` (also on RoomRequest) is the decode side's leave to write: a time
+    on the prefill's monotonic clock, a lower bound of "sent + transfer timeout + fence
+    timeout". Messages arrive in order, so every room the decode side failed before
+    sending this has already been read as failed; any other room was live when it was
+    sent, and its pages are held at least that long. The prefill submits no write to
+    this decode side after the newest leave it has read."""
 
     seq: Count
     wall: float = 0.0  # sender's wall clock, seconds since the epoch
+    writes_until: float = 0.0
 
 
 class HeartbeatAck(Message, tag="heartbeat_ack"):
     seq: Count
     wall: float = 0.0  # the prefill's wall clock when it answered: the decode estimates skew from it
+    clock: float = 0.0  # the prefill's monotonic clock when it answered (as PeerWelcome.clock)
 
 
 class PeerError(Message, tag="peer_error"):

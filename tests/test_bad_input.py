@@ -579,7 +579,7 @@ def peer_messages_before_hello(draw) -> bytes:
         p.RoomFailed(room=KNOWN_ROOM, code=code, reason="fuzz", fenced=False),
         p.Heartbeat(seq=room % 2**63),
         p.HeartbeatAck(seq=1),
-        p.PeerWelcome(version=1, incarnation="x", session="y"),
+        p.PeerWelcome(version=1, incarnation="x", session="y", clock=1.0),
         p.TransferStarted(room=room),
         p.AuxRecord(room=room, slot=0, generation=1, length=0, checksum=0),
         p.PeerError(code=code, message="fuzz"),

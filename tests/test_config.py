@@ -147,13 +147,3 @@ def test_default_runtime_dir_is_resolved_once_from_the_given_environment():
 def test_misspelt_environment_variable_is_refused():
     with pytest.raises(ValueError, match="PDXFER_PEER_WINDOWS"):
         config.load({"role": "decode"}, env={"PDXFER_PEER_WINDOWS": "8"})
-
-
-def test_a_lease_and_fence_timeout_within_the_heartbeat_bound_is_named_as_a_hazard():
-    """A decode daemon releases a failed room's pages after the lease and the fence
-    timeout; a stale request must by then meet a prefill that has forgotten it."""
-    assert config.load(flags={"role": "decode"}, env={}).hazards() == []
-    risky = config.load(flags={"role": "decode", "transfer_timeout": 3, "fence_timeout": 1, "heartbeat_interval": 1, "heartbeat_misses": 5}, env={})
-    (hazard,) = risky.hazards()
-    assert "transfer_timeout + fence_timeout (4s)" in hazard and "(5s)" in hazard
-    assert config.load(flags={"role": "decode", "transfer_timeout": 5, "fence_timeout": 1, "heartbeat_interval": 1, "heartbeat_misses": 5}, env={}).hazards() == []

@@ -97,8 +97,18 @@ class FakePrefill:
     def send(self, identity: bytes, msg) -> None:
         self.sock.send_multipart([identity, *self.seal.seal([self.codec.encode(msg)])])
 
-    def welcome(self, identity: bytes) -> None:
-        self.send(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session="127.0.0.1:1"))
+    def drain(self, seconds: float) -> list:
+        """Every message that arrives within ``seconds``."""
+        got, deadline = [], time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._received or self.sock.poll(int(left * 1000)):
+                got.append(self.recv()[1])
+        return got
+
+    def welcome(self, identity: bytes, clock: float | None = None) -> None:
+        """Accept the decode daemon, telling it our clock (this host's, unless given)."""
+        clock = time.monotonic() if clock is None else clock
+        self.send(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session="127.0.0.1:1", clock=clock))
 
     def close(self) -> None:
         self.sock.close(0)
@@ -493,6 +503,16 @@ def test_a_sync_engine_waiting_on_its_killed_daemon_hears_so_at_once(daemons):
         cd.close()
 
 
+def welcome_then_close(fake: FakePrefill) -> None:
+    """Welcome the decode daemon that says hello, take its first room request, and go
+    away: that daemon knows this prefill's clock, so it posts later room requests to the
+    link at once (where they wait while the link is down) instead of holding them."""
+    identity, _ = fake.recv_kind(PeerHello)
+    fake.welcome(identity)
+    fake.recv_kind(RoomRequest)
+    fake.close()
+
+
 async def test_a_room_request_that_cannot_be_queued_for_an_unreachable_prefill_fails_its_room_at_once(daemons):
     """While its prefill cannot be reached, a decode daemon holds room requests up to
     twice --max-message-bytes. A request past that is dropped, and its room fails then
@@ -505,7 +525,13 @@ async def test_a_room_request_that_cannot_be_queued_for_an_unreachable_prefill_f
     try:
         await cd.create_kv_pool(small_layout(num_pages=1024))
         await cd.create_aux_buffer(4, 64)
-        nowhere = f"127.0.0.1:{free_port()}"
+        port = free_port()
+        nowhere = f"127.0.0.1:{port}"
+        fake = FakePrefill(port, "gone000000000000")
+        await cd.expect(100, nowhere, [1000], await cd.alloc_slot())
+        await asyncio.get_running_loop().run_in_executor(None, welcome_then_close, fake)
+        while (await cd.poll(100)).state is not RoomState.FAILED:  # the connection closed: peer_dead
+            await asyncio.sleep(0.02)
         many = list(range(900))  # a 3.6 KB page list: two requests wait, the third is over 8 KiB
         for room in (101, 102, 103):
             await cd.expect(room, nowhere, many, await cd.alloc_slot())
@@ -531,6 +557,10 @@ def test_a_room_request_queued_while_the_prefill_was_unreachable_is_not_sent_onc
     d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "60", "--fence-timeout", "60", name="d")
     cd = engine(d)
     try:
+        fake = FakePrefill(port, "gone000000000000")
+        cd.expect(99, f"127.0.0.1:{port}", pages(3), cd.alloc_slot())
+        welcome_then_close(fake)
+        wait_until(lambda: cd.poll(99).state is F, SLACK, "room 99 to fail with its connection")
         for room in (100, 101, 102):
             cd.expect(room, f"127.0.0.1:{port}", pages(room - 100), cd.alloc_slot())
         cd.abort(100, "the engine gave up")  # failed, not fenced: its request might have left
