@@ -18,6 +18,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .memory import available_memory
+
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 ENGINE_PROBE = """
 import json
@@ -194,13 +196,18 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     except OSError as exc:
         return Check("shared memory", "FAIL", f"{path}: {exc.strerror}", "CPU pools live in /dev/shm: mount a tmpfs there")
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    available = available_memory()
     pools = [os.path.join(path, n) for n in os.listdir(path) if n.startswith("pdxfer-")]
     used = sum(os.path.getsize(p) for p in pools if os.path.isfile(p))
-    detail = f"{path}: {_size(free)} free of {_size(total)}; {len(pools)} pdxfer pool(s) use {_size(used)}; engines need about {_size(need)} (--pool-bytes)"
+    detail = (f"{path}: {_size(free)} free of {_size(total)}"
+              f"{'' if available is None else f', {_size(available)} of memory available'}; "
+              f"{len(pools)} pdxfer pool(s) use {_size(used)}; engines need about {_size(need)} (--pool-bytes)")
     if free < need:
         return Check("shared memory", "FAIL", detail,
                      "give /dev/shm more room: docker run --shm-size=SIZE; in Kubernetes an emptyDir with medium: Memory "
                      "and a sizeLimit mounted at /dev/shm (deploy/k8s/base/worker.yaml does this)")
+    if available is not None and available < need:  # tmpfs pages are RAM: pools this big would meet the OOM killer
+        return Check("shared memory", "FAIL", detail, "free memory on this host, or give the engines smaller pools (--pool-bytes)")
     return Check("shared memory", "OK", detail)
 
 

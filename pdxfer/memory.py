@@ -92,19 +92,25 @@ class SharedMemory:
                 pass
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel reports available (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def room_for_pools(path: str = SHM_DIR) -> int:
     """Bytes new pools can still take: the shared-memory filesystem's free space, or the
     memory the kernel reports available when that is less (tmpfs pages are RAM)."""
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return min(free, int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    return free
+    available = available_memory()
+    return free if available is None else min(free, available)
 
 
 def sweep_orphans(prefix: str) -> list[str]:

@@ -570,6 +570,20 @@ def test_doctor_with_running_daemons(scene):
     assert "fix: stop it, or choose another --bootstrap-port" in out.stdout
 
 
+def test_doctor_fails_pools_that_fit_in_dev_shm_but_not_in_the_memory_left(monkeypatch):
+    """tmpfs pages are RAM: a /dev/shm larger than what the kernel still has available
+    would let pools in that the OOM killer ends (the host's state is faked here)."""
+    from pdxfer import hostchecks as checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda: 1 << 20)
+    short = checks.check_shm(64 << 20)
+    assert short.status == "FAIL" and "free memory on this host" in short.fix, short
+    assert "1.0 MiB of memory available" in short.detail, short.detail
+    monkeypatch.setattr(checks, "available_memory", lambda: None)  # no /proc/meminfo: /dev/shm alone decides
+    unknown = checks.check_shm(64 << 20)
+    assert unknown.status == "OK" and "available" not in unknown.detail, unknown
+
+
 def test_doctor_checks_fail_with_a_fix(tmp_path):
     from pdxfer import hostchecks as checks
 
@@ -584,6 +598,7 @@ def test_doctor_checks_fail_with_a_fix(tmp_path):
     assert long.status == "FAIL" and "shorter --runtime-dir" in long.fix
     shm = checks.check_shm(1 << 60)
     assert shm.status == "FAIL" and "--shm-size" in shm.fix
+    assert checks.check_shm(1 << 20).status == "OK" and "of memory available" in checks.check_shm(1 << 20).detail
     assert checks.check_rdma(s, {}).status == "FAIL"
     assert checks.check_rdma(s, {"mlx5_0": ["port 1 DOWN"]}).status == "FAIL"
     assert checks.check_rdma(s, {"mlx5_0": ["port 1 ACTIVE"]}).status == "OK"
