@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdxfer.client import Client, Slot
-from pdxfer.protocol import KVLayout, RoomState, RoomStatus
+from pdxfer.inspection import AdminClient
+from pdxfer.protocol import AdminInfo, KVLayout, RoomState, RoomStatus
 
 from .conftest import small_layout
 
@@ -113,6 +114,12 @@ def all_in(client: Client, rooms, *states: RoomState) -> dict[int, RoomStatus] |
     """The rooms' statuses if every one is in one of ``states``, else None."""
     got = statuses(client, rooms)
     return got if all(s.state in states for s in got.values()) else None
+
+
+def daemon_counters(daemon) -> dict[str, float]:
+    """A daemon's own counters (blocks_submitted, bytes_moved, ...), from its admin API."""
+    with AdminClient(daemon.ready["admin"], timeout=5.0) as admin:
+        return dict(admin.call(AdminInfo).counters)
 
 
 def room_ids(cases) -> list[int]:

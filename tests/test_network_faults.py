@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from pdxfer import errors
@@ -29,7 +30,7 @@ from pdxfer.protocol import RoomState
 from . import netns
 from .conftest import ENGINE_PATH, needs_mooncake
 from .faultproxy import FaultProxy
-from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, room_ids, start_room, send_room, wait_until
+from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, daemon_counters, engine, room_ids, send_room, start_room, wait_until
 
 NETNS_MISSING = netns.unavailable()
 
@@ -243,6 +244,51 @@ def test_partition_longer_than_the_heartbeat_bound_fails_rooms_in_flight_then_he
             assert cd.wait(case.id).state is S
             case.check_bytes()
             assert cp.wait(case.id).state is S
+    finally:
+        cp.close()
+        cd.close()
+
+
+def test_a_request_held_up_by_a_partition_past_its_leave_to_write_writes_nothing(net):
+    """The decode side gives up on a room while the link is down and, once its lease
+    and fence timeout pass, releases the room's pages, which another room then fills.
+    The prefill, whose heartbeat bound is longer than the partition, still knows the
+    decode daemon when the link heals, holds the room's input, and only then reads the
+    room's request (retransmitted by TCP). The request's leave to write has run out, so
+    the prefill starts no write: not one block, whatever the two daemons' settings."""
+    # Prefill: 20 s of silence before it declares a peer dead; rooms wait up to 30 s.
+    p = net.start("prefill", "--heartbeat-misses", "100", "--bootstrap-timeout", "30")
+    # Decode: leave to write 1.5 s after sending (lease 1 s + fence 0.5 s).
+    d = net.start("decode", "--transfer-timeout", "1", "--fence-timeout", "0.5")
+    cp, cd = engine(p), engine(d)
+    bootstrap = f"{net.PREFILL_ADDR}:{BOOTSTRAP_PORT}"
+    try:
+        warm = start_room(cp, cd, bootstrap, 100, pages(0), pages(0), seed=0)  # the link is up and knows the prefill's clock
+        assert cd.wait(warm.id).state is S and cp.wait(warm.id).state is S
+        blocks_before = daemon_counters(p)["blocks_submitted"]
+
+        t_down = time.monotonic()
+        net.set_link(False)
+        try:
+            late = start_room(cp, cd, bootstrap, 101, pages(1), pages(1), seed=1, send=False)  # its request sits in TCP's buffers
+            send_room(late)  # the prefill holds the input, waiting for the request
+            status = cd.wait(late.id, timeout=HB_BOUND + 1.5 + SLACK)
+            assert status.state is F and status.fenced, status
+            cd.release(late.id)
+            reused = [np.full_like(arr[late.dst], 0xA5) for arr in cd.kv.arrays()]  # another room's bytes now
+            for arr, data in zip(cd.kv.arrays(), reused):
+                arr[late.dst] = data
+            time.sleep(max(0.0, 3.5 - (time.monotonic() - t_down)))
+        finally:
+            net.set_link(True)
+
+        failed = wait_until(lambda: all_in(cp, [late.id], F), 10 + SLACK, "the prefill to read the late request")[late.id]
+        assert failed.code.value == "lease_expired" and "leave to write ran out" in failed.reason, failed
+        time.sleep(0.5)
+        assert daemon_counters(p)["blocks_submitted"] == blocks_before
+        for region, (arr, data) in enumerate(zip(cd.kv.arrays(), reused)):
+            assert np.array_equal(arr[late.dst], data), f"KV region {region}: a write landed in released pages"
+        assert p.alive() and d.alive()
     finally:
         cp.close()
         cd.close()
