@@ -47,7 +47,7 @@ from pdxfer.protocol import RoomState
 from pdxfer.stamp import HEADER_BYTES
 
 from .conftest import ENGINE_PATH, needs_mooncake, small_layout
-from .roomkit import engine, free_port, wait_until
+from .roomkit import daemon_counters, engine, free_port, wait_until
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: 4 tokens x 64 bytes per region, 8 regions (4 layers, K and V)
 AUX_BYTES = 16
@@ -147,12 +147,21 @@ def scene(tmp_path_factory):
         expect(9, slow.bootstrap, [30, 32, 34, 36])
         s.slots["slow", 9] = send(s.slow_p, 9, [40, 41, 42, 43], 16)
         s.slots["p", 10] = send(p, 10, [18], 4)
-        expect(11, slow.bootstrap, [22])
-        s.slots["slow", 11] = send(s.slow_p, 11, [44], 4)
-        wait_until(lambda: s.state(d, 11) is RoomState.TRANSFERRING, 10, "room 11 to be written")
-        d.abort(11, "the router gave up")
         wait_until(lambda: all(d.poll(r).fenced for r in (3, 4, 5)) and p.poll(4).fenced, 10, "failed rooms fenced")
         wait_until(lambda: s.state(d, 8) is RoomState.WAITING_FOR_INPUT and s.state(d, 9) is RoomState.TRANSFERRING, 10, "rooms 8 and 9 to settle")
+        # Room 11 is aborted once its writes are in flight (held by the delays), so nothing
+        # confirms a fence. The slow prefill writes one block per destination page and
+        # region: 4 pages of room 9's, then room 11's one.
+        regions = len(s.slow_p.kv.arrays())
+
+        def in_flight(pages: int) -> bool:
+            return daemon_counters(slow)["blocks_submitted"] >= pages * regions
+
+        wait_until(lambda: in_flight(4), 10, "room 9's writes to be in flight")
+        expect(11, slow.bootstrap, [22])
+        s.slots["slow", 11] = send(s.slow_p, 11, [44], 4)
+        wait_until(lambda: in_flight(5), 10, "room 11's writes to be in flight")
+        d.abort(11, "the router gave up")
         s.fail_run = s.cli(prefill, "room", "10", "--fail", "--reason", "stuck in the test", "--json")
         time.sleep(2.0)
         expect(12, s.nobody, [23])
