@@ -122,6 +122,23 @@ def daemon_counters(daemon) -> dict[str, float]:
         return dict(admin.call(AdminInfo).counters)
 
 
+def reuse_pages(case: RoomCase, byte: int) -> list[np.ndarray]:
+    """Fill the case's destination pages in every KV region with ``byte``, as the room
+    that reuses them after release would; returns what each region now holds there."""
+    reused = [np.full_like(arr[case.dst], byte) for arr in case.decode.kv.arrays()]
+    for arr, data in zip(case.decode.kv.arrays(), reused):
+        arr[case.dst] = data
+    return reused
+
+
+def assert_nothing_written(prefill_daemon, blocks_before: float, case: RoomCase, reused: list[np.ndarray]) -> None:
+    """The prefill daemon submitted no block since ``blocks_before``, and the reused pages are intact."""
+    time.sleep(0.5)  # a write that was going to start has been submitted by now
+    assert daemon_counters(prefill_daemon)["blocks_submitted"] == blocks_before
+    for region, (arr, data) in enumerate(zip(case.decode.kv.arrays(), reused)):
+        assert np.array_equal(arr[case.dst], data), f"KV region {region}: a write landed in released pages"
+
+
 def room_ids(cases) -> list[int]:
     return [c.id for c in cases]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import threading
 import time
 
 import pytest
@@ -41,7 +42,10 @@ from pdxfer.wire import Seal
 
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerListener
-from .roomkit import HB_BOUND, HB_FLAGS, HB_INTERVAL, SLACK, all_in, engine, free_port, room_ids, start_room, statuses, wait_until
+from .roomkit import (
+    HB_BOUND, HB_FLAGS, HB_INTERVAL, SLACK, all_in, assert_nothing_written, daemon_counters, engine, free_port, reuse_pages, room_ids,
+    send_room, start_room, statuses, wait_until,
+)
 
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -610,3 +614,57 @@ def test_a_prefill_that_never_got_a_rooms_request_still_refuses_its_send_with_th
             cp.close()
     finally:
         cd.close()
+
+
+def test_a_prefill_frozen_past_the_leave_to_write_writes_nothing_into_released_pages(daemons):
+    """A prefill daemon stands still (SIGSTOP) with a room's request in its socket and
+    its engine's send() on the way. The decode side declares it dead, fences the room by
+    lease, and its engine refills the pages. On SIGCONT the prefill sees it was frozen,
+    not its peer silent, so it keeps the decode daemon, and reads the request and the
+    send() in either order: whichever, the request's leave to write is over, and not one
+    block may be written. (The room_failed right behind the request also stops the
+    writes here, as it did before the leave existed, except when the pump thread wins
+    the race between the two messages; test_write_leave.py and test_network_faults.py
+    pin the leave itself.)"""
+    p = daemons("prefill", *HB_FLAGS, "--bootstrap-timeout", "30", name="p")
+    d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "1", "--fence-timeout", "0.5", name="d")  # leave: 1.5 s
+    cp, cd = engine(p), engine(d)
+    stopped = False
+    try:
+        warm = start_room(cp, cd, p.bootstrap, 100, pages(0), pages(0), seed=0)  # the link knows the prefill's clock
+        assert cd.wait(warm.id).state is S and cp.wait(warm.id).state is S
+        blocks_before = daemon_counters(p)["blocks_submitted"]
+
+        t_stop = kill(p, signal.SIGSTOP)
+        stopped = True
+        late = start_room(cp, cd, p.bootstrap, 101, pages(1), pages(1), seed=1, send=False)
+        sent: list = []
+        sender = threading.Thread(target=lambda: sent.append(_outcome(send_room, late)))
+        sender.start()  # blocks until the prefill answers
+        status = cd.wait(late.id, timeout=HB_BOUND + 1.5 + SLACK)
+        assert status.state is F and status.fenced, status
+        cd.release(late.id)
+        reused = reuse_pages(late, 0x5A)  # another room's bytes now
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - t_stop)))
+        kill(p, signal.SIGCONT)
+        stopped = False
+
+        sender.join(SLACK)
+        assert sent and sent[0] in ("ok", "refused"), sent
+        wait_until(lambda: cp.poll(late.id).state is F, SLACK, "the prefill to fail the late room")
+        assert_nothing_written(p, blocks_before, late, reused)
+        assert p.alive() and d.alive()
+    finally:
+        if stopped:
+            p.proc.send_signal(signal.SIGCONT)
+        for client in (cp, cd):
+            client.close()
+
+
+def _outcome(call, *args) -> str:
+    """'ok', or 'refused' when the daemon answered with an error."""
+    try:
+        call(*args)
+        return "ok"
+    except errors.PdxferError:
+        return "refused"
