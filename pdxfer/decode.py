@@ -260,9 +260,10 @@ class DecodeService(RoomService):
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
         if isinstance(msg, HeartbeatAck):
-            link.clock_sample(msg.clock, self.clock())
+            now = self.clock()
+            link.clock_sample(msg.clock, now)
             if msg.seq == link.beats:
-                link.rtt = self.clock() - link.last_beat
+                link.rtt = now - link.last_beat
                 if msg.wall:
                     link.skew = msg.wall - (link.beat_wall + link.rtt / 2)
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -314,17 +315,15 @@ class PrefillService(RoomService):
             self.kv_inline_bytes += nbytes
             self._send_aux(room, w, kv.gather(w.src_pages))
             return
-        now = self.clock()
-        if peer.writes_until and now >= peer.writes_until:
+        now, leave = self.clock(), peer.writes_until or math.inf
+        if now >= leave:
             self.fail(room, ErrorCode.LEASE_EXPIRED, (
-                f"the decode daemon's leave to write ran out {now - peer.writes_until:.1f}s ago and nothing from it "
+                f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
                 "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
             return
         if announce:
             self.send_peer(w.peer, TransferStarted(room=room.id))
-        w.lease_end = now + self._lease(req)
-        if peer.writes_until:
-            w.lease_end = min(w.lease_end, peer.writes_until)
+        w.lease_end = min(now + self._lease(req), leave)
         w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
 
