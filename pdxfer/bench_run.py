@@ -28,6 +28,7 @@ import numpy as np
 from .bench_plan import Plan, block_counts
 from .bench_raw import proc_sample
 from .config import TCP_LANES
+from .inspection import daemon_counters
 from .launch import LaunchError, read_events, sim_argv, start_daemon
 from .paths import engine_env
 
@@ -252,19 +253,6 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
     return daemons
 
 
-def daemon_counters(daemon) -> dict[str, float] | None:
-    """The daemon's own counters (blocks submitted, bytes moved, ...) from its admin
-    API; None when it has none to give."""
-    try:
-        from .inspection import AdminClient
-        from .protocol import AdminInfo
-
-        with AdminClient(daemon.ready["admin"], timeout=5.0) as admin:
-            return dict(admin.call(AdminInfo).counters)
-    except Exception:  # an older daemon, or the admin API moved: fall back to the plan
-        return None
-
-
 def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
     w = plan.workload
     result = RunResult("pdxfer", w.name, len(plan.rooms), extra={"aux_path": opts.aux_path})
@@ -291,13 +279,14 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
             _log(opts.workdir, "decode-engine"))
         for sim in sims.values():  # pools registered, sources filled
             _await_event(sim, "ready", opts.timeout)
-        samples["counters"] = daemon_counters(daemons["prefill"])
+        samples["counters"] = daemon_counters(daemons["prefill"].ready["admin"])
         samples["before"] = {role: proc_sample(pid) for role, pid in pids.items()}
         for sim in sims.values():
             _say(sim, "go")
         summaries = read_events(sims, _on_progress(progress, ("decode",)), timeout=opts.timeout)
         samples["after"] = {role: proc_sample(pid) for role, pid in pids.items() if daemons[role].alive()}
-        counters = daemon_counters(daemons["prefill"]) if samples.get("counters") is not None else None
+        if daemons["prefill"].alive():
+            samples["counters_after"] = daemon_counters(daemons["prefill"].ready["admin"])
     finally:
         _reap(sims.values())
         codes = {role: d.stop() for role, d in daemons.items()}
@@ -305,7 +294,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
             d.proc.stdout.close()
         shutil.rmtree(runtime, ignore_errors=True)
     dec, pre = summaries.get("decode"), summaries.get("prefill")
-    if dec is None or pre is None or len(samples.get("after", {})) != 2 or "before" not in samples:
+    if dec is None or pre is None or len(samples.get("after", {})) != 2 or "counters_after" not in samples:
         result.error = f"an engine or daemon died (daemon exit codes {codes}; see the logs)"
         return result
     p, d = _load_timings(timing["prefill"]), _load_timings(timing["decode"])
@@ -314,14 +303,10 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     ok = d["ok"] & np.isfinite(starts)
     _timed(result, plan, d["room"], starts, d["end"], ok)
     planned = int(block_counts(plan).sum())  # the daemon plans with the same function
-    if counters is not None:
-        result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
-        result.inline_rooms = int(counters["kv_inline_rooms"] - samples["counters"]["kv_inline_rooms"])
-        result.extra.update(blocks_from="prefill daemon's counter", blocks_planned=planned,
-                            prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
-    else:
-        result.blocks = planned
-        result.extra.update(blocks_from="plan (the daemon has no admin counters)")
+    counters = samples["counters_after"]
+    result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
+    result.inline_rooms = int(counters["kv_inline_rooms"] - samples["counters"]["kv_inline_rooms"])
+    result.extra.update(blocks_planned=planned, prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
     result.mismatches = dec["mismatches"]
     if result.ok != len(plan.rooms):
         result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"

@@ -128,6 +128,12 @@ class AdminClient:
             raise CommandError(f"{self.endpoint} answered something that is not a pdxfer admin reply: {exc}", EXIT_REFUSED) from None
 
 
+def daemon_counters(endpoint: str, timeout: float = 5.0) -> dict[str, float]:
+    """A daemon's own counters (blocks_submitted, bytes_moved, ...), from its admin API at ``endpoint``."""
+    with AdminClient(endpoint, timeout=timeout) as admin:
+        return dict(admin.call(AdminInfo).counters)
+
+
 def check_ipc(path: str) -> None:
     """Fail fast, saying why, when an ipc socket is missing or nobody listens on it
     (a daemon that exited leaves its socket file behind), instead of waiting out the timeout."""

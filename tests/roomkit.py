@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdxfer.client import Client, Slot
-from pdxfer.inspection import AdminClient
-from pdxfer.protocol import AdminInfo, KVLayout, RoomState, RoomStatus
+from pdxfer.inspection import daemon_counters
+from pdxfer.protocol import KVLayout, RoomState, RoomStatus
 
 from .conftest import small_layout
 
@@ -116,12 +116,6 @@ def all_in(client: Client, rooms, *states: RoomState) -> dict[int, RoomStatus] |
     return got if all(s.state in states for s in got.values()) else None
 
 
-def daemon_counters(daemon) -> dict[str, float]:
-    """A daemon's own counters (blocks_submitted, bytes_moved, ...), from its admin API."""
-    with AdminClient(daemon.ready["admin"], timeout=5.0) as admin:
-        return dict(admin.call(AdminInfo).counters)
-
-
 def reuse_pages(case: RoomCase, byte: int) -> list[np.ndarray]:
     """Fill the case's destination pages in every KV region with ``byte``, as the room
     that reuses them after release would; returns what each region now holds there."""
@@ -134,7 +128,7 @@ def reuse_pages(case: RoomCase, byte: int) -> list[np.ndarray]:
 def assert_nothing_written(prefill_daemon, blocks_before: float, case: RoomCase, reused: list[np.ndarray]) -> None:
     """The prefill daemon submitted no block since ``blocks_before``, and the reused pages are intact."""
     time.sleep(0.5)  # a write that was going to start has been submitted by now
-    assert daemon_counters(prefill_daemon)["blocks_submitted"] == blocks_before
+    assert daemon_counters(prefill_daemon.ready["admin"])["blocks_submitted"] == blocks_before
     for region, (arr, data) in enumerate(zip(case.decode.kv.arrays(), reused)):
         assert np.array_equal(arr[case.dst], data), f"KV region {region}: a write landed in released pages"
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pdxfer import paths
-from pdxfer.bench_run import daemon_counters
+from pdxfer.inspection import daemon_counters
 from pdxfer.memory import SharedMemory
 from pdxfer.plan import pool_bytes, region_views
 from pdxfer.pools import KVPool
@@ -88,14 +88,14 @@ def test_small_rooms_ride_the_aux_record_and_big_ones_the_transfer_engine(daemon
         for case in small:
             assert cd.wait(case.id, timeout=10 + SLACK).state is RoomState.SUCCESS
             case.check_bytes()
-        counters = daemon_counters(prefill)
+        counters = daemon_counters(prefill.ready["admin"])
         assert counters["blocks_submitted"] == 0, counters
         assert counters["kv_inline_rooms"] == 4, counters
         assert counters["kv_inline_bytes"] == 6 * 2048, counters
         big = start_room(cp, cd, prefill.bootstrap, 50, list(range(40, 48)), list(range(150, 158)), seed=9)
         assert cd.wait(big.id, timeout=10 + SLACK).state is RoomState.SUCCESS
         big.check_bytes()
-        counters = daemon_counters(prefill)
+        counters = daemon_counters(prefill.ready["admin"])
         assert counters["blocks_submitted"] > 0 and counters["kv_inline_rooms"] == 4, counters
     finally:
         cp.close()
@@ -116,7 +116,7 @@ def test_with_verify_kv_an_inline_room_is_digested_from_the_bytes_it_carries(dae
             status = cd.wait(case.id, timeout=10 + SLACK)
             assert status.state is RoomState.SUCCESS, status
             case.check_bytes()
-        assert daemon_counters(prefill)["kv_inline_rooms"] == 3
+        assert daemon_counters(prefill.ready["admin"])["kv_inline_rooms"] == 3
     finally:
         cp.close()
         cd.close()
@@ -131,7 +131,7 @@ def test_a_decode_daemon_that_offers_none_gets_transfer_engine_writes(daemons):
         case = start_room(cp, cd, prefill.bootstrap, 7, [1], [2], seed=1)
         assert cd.wait(case.id, timeout=10 + SLACK).state is RoomState.SUCCESS
         case.check_bytes()
-        counters = daemon_counters(prefill)
+        counters = daemon_counters(prefill.ready["admin"])
         assert counters["kv_inline_rooms"] == 0 and counters["blocks_submitted"] > 0, counters
     finally:
         cp.close()

@@ -42,12 +42,13 @@ import pytest
 from pdxfer import inspection as inspect_mod
 from pdxfer import tables
 from pdxfer.client import Client
+from pdxfer.inspection import daemon_counters
 from pdxfer.launch import DaemonProcess, start_daemon
 from pdxfer.protocol import RoomState
 from pdxfer.stamp import HEADER_BYTES
 
 from .conftest import ENGINE_PATH, needs_mooncake, small_layout
-from .roomkit import daemon_counters, engine, free_port, wait_until
+from .roomkit import engine, free_port, wait_until
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: 4 tokens x 64 bytes per region, 8 regions (4 layers, K and V)
 AUX_BYTES = 16
@@ -155,7 +156,7 @@ def scene(tmp_path_factory):
         regions = len(s.slow_p.kv.arrays())
 
         def in_flight(pages: int) -> bool:
-            return daemon_counters(slow)["blocks_submitted"] >= pages * regions
+            return daemon_counters(slow.ready["admin"])["blocks_submitted"] >= pages * regions
 
         wait_until(lambda: in_flight(4), 10, "room 9's writes to be in flight")
         expect(11, slow.bootstrap, [22])

@@ -24,13 +24,14 @@ import time
 import pytest
 
 from pdxfer import errors
+from pdxfer.inspection import daemon_counters
 from pdxfer.protocol import RoomState
 
 from . import netns
 from .conftest import ENGINE_PATH, needs_mooncake
 from .faultproxy import FaultProxy
 from .roomkit import (
-    HB_BOUND, HB_FLAGS, SLACK, all_in, assert_nothing_written, daemon_counters, engine, reuse_pages, room_ids, send_room, start_room,
+    HB_BOUND, HB_FLAGS, SLACK, all_in, assert_nothing_written, engine, reuse_pages, room_ids, send_room, start_room,
     wait_until,
 )
 
@@ -267,7 +268,7 @@ def test_a_request_held_up_by_a_partition_past_its_leave_to_write_writes_nothing
     try:
         warm = start_room(cp, cd, bootstrap, 100, pages(0), pages(0), seed=0)  # the link is up and knows the prefill's clock
         assert cd.wait(warm.id).state is S and cp.wait(warm.id).state is S
-        blocks_before = daemon_counters(p)["blocks_submitted"]
+        blocks_before = daemon_counters(p.ready["admin"])["blocks_submitted"]
 
         t_down = time.monotonic()
         net.set_link(False)

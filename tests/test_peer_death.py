@@ -27,6 +27,7 @@ import pytest
 
 from pdxfer import errors
 from pdxfer.client import AsyncClient, Client
+from pdxfer.inspection import daemon_counters
 from pdxfer.protocol import (
     PROTOCOL_VERSION,
     Codec,
@@ -43,7 +44,7 @@ from pdxfer.wire import Seal
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerListener
 from .roomkit import (
-    HB_BOUND, HB_FLAGS, HB_INTERVAL, SLACK, all_in, assert_nothing_written, daemon_counters, engine, free_port, reuse_pages, room_ids,
+    HB_BOUND, HB_FLAGS, HB_INTERVAL, SLACK, all_in, assert_nothing_written, engine, free_port, reuse_pages, room_ids,
     send_room, start_room, statuses, wait_until,
 )
 
@@ -633,7 +634,7 @@ def test_a_prefill_frozen_past_the_leave_to_write_writes_nothing_into_released_p
     try:
         warm = start_room(cp, cd, p.bootstrap, 100, pages(0), pages(0), seed=0)  # the link knows the prefill's clock
         assert cd.wait(warm.id).state is S and cp.wait(warm.id).state is S
-        blocks_before = daemon_counters(p)["blocks_submitted"]
+        blocks_before = daemon_counters(p.ready["admin"])["blocks_submitted"]
 
         t_stop = kill(p, signal.SIGSTOP)
         stopped = True

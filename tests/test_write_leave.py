@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdxfer.decode import OFFSET_SAMPLES, PrefillLink
+from pdxfer.inspection import daemon_counters
 from pdxfer.plan import compat_of, pages_to_bytes
 from pdxfer.protocol import (
     PROTOCOL_VERSION,
@@ -38,7 +39,7 @@ from pdxfer.wire import Seal
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket
-from .roomkit import SLACK, daemon_counters, engine, free_port, wait_until
+from .roomkit import SLACK, engine, free_port, wait_until
 from .test_peer_death import FakePrefill
 
 # --- pure: the offset bound
@@ -164,7 +165,7 @@ def test_a_request_whose_leave_ran_out_before_its_writes_could_start_writes_noth
     status = client.wait(ROOM, timeout=SLACK)
     assert status.state is RoomState.FAILED and status.code == "lease_expired", status
     assert "leave to write ran out" in status.reason, status.reason
-    assert daemon_counters(daemon)["blocks_submitted"] == 0
+    assert daemon_counters(daemon.ready["admin"])["blocks_submitted"] == 0
 
 
 @real
@@ -179,7 +180,7 @@ def test_a_later_heartbeat_renews_the_leave_for_every_room_not_failed_before_it(
     _send_room(client)
     seen = fake.recv_until((TransferStarted, RoomFailed))
     assert isinstance(seen[-1], TransferStarted), seen
-    wait_until(lambda: daemon_counters(daemon)["blocks_submitted"] > 0, SLACK, "the room's writes to be submitted")
+    wait_until(lambda: daemon_counters(daemon.ready["admin"])["blocks_submitted"] > 0, SLACK, "the room's writes to be submitted")
 
 
 # --- a real decode daemon, a fake prefill
