@@ -24,7 +24,7 @@ from .bench_raw import APIS as RAW_APIS
 from .bench_report import FIGURES, format_report, targets
 from .bench_run import RUNNERS, RunOptions, RunResult
 from .demo import ProgressBar
-from .memory import room_for_pools
+from .memory import room_for_pools, sweep_orphans
 from .plan import pool_bytes
 from .tables import size
 
@@ -190,6 +190,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if not workloads:
         print("pdxfer bench: nothing to run", file=sys.stderr)
         return 2
+    # Pools of engines killed before they could remove them (a bench interrupted with
+    # SIGKILL) would otherwise hold the shared memory this run needs.
+    if orphans := sweep_orphans():
+        print(f"pdxfer bench: removed {len(orphans)} shared-memory pool(s) ({size(sum(orphans.values()))}) "
+              "left by engine processes that had exited", file=sys.stderr)
     room = room_for_pools()
     # Checked once before planning, at every room's fewest pages, so that absurd sizes
     # are refused before their plans fill memory, and again with the plans' real sizes.

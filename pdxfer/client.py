@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from . import errors
-from .memory import SharedMemory
+from .memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
 from .plan import layout_regions, pages_to_bytes, pool_bytes, region_views
 from .protocol import (
     PROTOCOL_VERSION,
@@ -95,7 +95,7 @@ class KVPool:
 
     @classmethod
     def create(cls, layout: KVLayout) -> "KVPool":
-        return cls(SharedMemory.create(pool_bytes(layout), prefix="pdxfer-kv"), layout)
+        return cls(SharedMemory.create(pool_bytes(layout), prefix=KV_POOL_PREFIX), layout)
 
     def arrays(self) -> list[np.ndarray]:
         """One uint8 array per region, shaped [num_pages, page_bytes]."""
@@ -130,7 +130,7 @@ class AuxBuffer:
     @classmethod
     def create(cls, num_slots: int, payload_bytes: int) -> "AuxBuffer":
         slot_bytes = HEADER_BYTES + payload_bytes
-        return cls(SharedMemory.create(num_slots * slot_bytes, prefix="pdxfer-aux"), num_slots, slot_bytes)
+        return cls(SharedMemory.create(num_slots * slot_bytes, prefix=AUX_BUFFER_PREFIX), num_slots, slot_bytes)
 
     @property
     def payload_bytes(self) -> int:

@@ -22,6 +22,7 @@ from .paths import device_kind
 from .protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
 
 SHM_DIR = "/dev/shm"
+KV_POOL_PREFIX, AUX_BUFFER_PREFIX = "pdxfer-kv", "pdxfer-aux"  # engines' shared memory is named PREFIX-PID-HEX
 # Fault the pages in at map time rather than inside the first transfers.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -39,7 +40,7 @@ class SharedMemory:
 
     @classmethod
     def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
-        sweep_orphans(prefix)
+        sweep_orphans((prefix,))
         room = room_for_pools()
         if size > room:  # refused now: a pool faulted in past this ends in SIGBUS or the OOM killer
             raise InsufficientCapacity(
@@ -113,24 +114,25 @@ def room_for_pools(path: str = SHM_DIR) -> int:
     return free if available is None else min(free, available)
 
 
-def sweep_orphans(prefix: str) -> list[str]:
-    """Unlink pools named ``PREFIX-PID-*`` whose creating process is gone (an engine
-    killed before it could clean up). A daemon that still maps one keeps its
-    mapping; only the name goes."""
-    removed = []
+def sweep_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)) -> dict[str, int]:
+    """Unlink shared memory named ``PREFIX-PID-HEX`` whose creating process is gone (an
+    engine killed before it could clean up); returns the size of each name removed. A
+    daemon that still maps one keeps its mapping; only the name goes."""
+    removed = {}
     for name in os.listdir(SHM_DIR):
-        head, _, rest = name.partition(prefix + "-")
-        pid = rest.split("-", 1)[0]
-        if head or not pid.isdigit():
+        parts = name.rsplit("-", 2)
+        if len(parts) != 3 or parts[0] not in prefixes or not parts[1].isdigit():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(parts[1]), 0)
         except ProcessLookupError:
+            path = os.path.join(SHM_DIR, name)
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
+                size = os.path.getsize(path)
+                os.unlink(path)
+                removed[name] = size
             except FileNotFoundError:
-                pass
+                pass  # another sweeper took it first
         except PermissionError:
             pass  # alive, someone else's
     return removed

@@ -3,12 +3,16 @@ on loopback) and engine clients in the test process."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
 
+from pdxfer import memory
 from pdxfer.client import Client
 from pdxfer.launch import start_daemon
 from pdxfer.protocol import KVLayout, Layout
@@ -77,6 +81,18 @@ def daemons(runtime_dir, tmp_path):
 def pair(daemons):
     """A prefill and a decode daemon with default options."""
     return daemons("prefill"), daemons("decode")
+
+
+def orphan_pool(prefix: str, nbytes: int) -> str:
+    """A shared-memory pool as an engine killed before it could remove it leaves one:
+    named after a process that has exited (pids count up: not reused for a long while).
+    Returns its path."""
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    path = os.path.join(memory.SHM_DIR, f"{prefix}-{gone.pid}-0badf00d")
+    with open(path, "wb") as fh:
+        fh.truncate(nbytes)
+    return path
 
 
 def small_layout(layout: Layout = Layout.MHA, **overrides) -> KVLayout:

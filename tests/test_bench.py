@@ -5,6 +5,7 @@ asserts on speed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,9 +17,10 @@ from pdxfer.bench import by_repeat, memory_shortfall, planning_figures
 from pdxfer.bench_report import format_report, targets
 from pdxfer.bench_run import RunResult
 from pdxfer.cli import build_parser
+from pdxfer.memory import KV_POOL_PREFIX
 from pdxfer.plan import layout_regions, pool_bytes
 
-from .conftest import needs_mooncake
+from .conftest import needs_mooncake, orphan_pool
 
 # 2 layers: K0 V0 K1 V1, four regions of 4 tokens x 64 B = 256 B pages.
 TINY = Workload("t", rooms=1, in_flight=1, layers=2, page_size=4, token_bytes=64, min_pages=1, max_pages=1)
@@ -161,6 +163,21 @@ def test_bench_refuses_sizes_that_do_not_fit_before_starting_anything(rooms):
     assert proc.returncode == 2, proc.stderr
     assert "medium workload needs" in proc.stderr and "--medium-rooms" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0  # the refusal alone: no run, no progress bar
+
+
+def test_bench_removes_the_pools_of_killed_engines_before_it_checks_for_room():
+    """A bench killed with SIGKILL leaves its engines' pools behind; the next bench says
+    it removed them instead of refusing for the room they hold."""
+    orphan = orphan_pool(KV_POOL_PREFIX, 1 << 20)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", "--workloads", "medium", "--medium-rooms", "200000"],
+                              capture_output=True, text=True, timeout=120)
+        assert not os.path.exists(orphan)
+        assert "pdxfer bench: removed" in proc.stderr and "left by engine processes that had exited" in proc.stderr
+        assert proc.returncode == 2 and "medium workload needs" in proc.stderr  # the refusal still follows
+    finally:
+        if os.path.exists(orphan):
+            os.unlink(orphan)
 
 
 TINY_FLAGS = [

@@ -21,7 +21,7 @@ from pdxfer.launch import LaunchError, start_daemon
 from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState
 from pdxfer.wire import MAX_BATCH
 
-from .conftest import needs_mooncake, small_layout
+from .conftest import needs_mooncake, orphan_pool, small_layout
 
 
 def pdxfer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -221,3 +221,27 @@ def test_a_pool_larger_than_shared_memory_is_refused_before_anything_is_mapped()
     with pytest.raises(errors.InsufficientCapacity, match="does not fit in shared memory"):
         memory.SharedMemory.create(too_big, prefix="pdxfer-test")
     assert set(os.listdir(memory.SHM_DIR)) - before == set()
+
+
+def test_pools_of_engines_that_exited_are_swept_and_live_or_foreign_ones_kept():
+    """An engine killed before it removes its pools leaves their names in /dev/shm, holding
+    memory nobody will free; the next pool created (or bench) removes exactly those."""
+    orphans = [orphan_pool(memory.KV_POOL_PREFIX, 8192), orphan_pool(memory.AUX_BUFFER_PREFIX, 4096)]
+    dead_pid = os.path.basename(orphans[0]).split("-")[2]
+    kept = [os.path.join(memory.SHM_DIR, name) for name in (
+        f"{memory.KV_POOL_PREFIX}-{os.getpid()}-0badf00d",  # this process is alive
+        f"someone-else-{dead_pid}-0badf00d",  # not an engine pool of ours
+        f"{memory.KV_POOL_PREFIX}-x{dead_pid}-0badf00d",  # no pid where the pid goes
+    )]
+    for path in kept:
+        open(path, "wb").close()
+    try:
+        removed = memory.sweep_orphans()
+        assert {os.path.basename(p): n for p, n in zip(orphans, (8192, 4096))}.items() <= removed.items()
+        assert not any(os.path.exists(p) for p in orphans)
+        assert all(os.path.exists(p) for p in kept)
+        assert not {os.path.basename(p) for p in kept} & removed.keys()
+    finally:
+        for path in orphans + kept:
+            if os.path.exists(path):
+                os.unlink(path)
