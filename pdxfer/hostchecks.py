@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .memory import available_memory
+from .memory import SHM_DIR, available_memory, find_orphans
 
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 ENGINE_PROBE = """
@@ -199,9 +199,12 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     available = available_memory()
     pools = [os.path.join(path, n) for n in os.listdir(path) if n.startswith("pdxfer-")]
     used = sum(os.path.getsize(p) for p in pools if os.path.isfile(p))
+    orphans = find_orphans() if path == SHM_DIR else {}
+    orphaned = (f" ({len(orphans)} of them, {_size(sum(orphans.values()))}, left by engines that exited: "
+                "the next pool made here removes them)") if orphans else ""
     detail = (f"{path}: {_size(free)} free of {_size(total)}"
               f"{'' if available is None else f', {_size(available)} of memory available'}; "
-              f"{len(pools)} pdxfer pool(s) use {_size(used)}; engines need about {_size(need)} (--pool-bytes)")
+              f"{len(pools)} pdxfer pool(s) use {_size(used)}{orphaned}; engines need about {_size(need)} (--pool-bytes)")
     if free < need:
         return Check("shared memory", "FAIL", detail,
                      "give /dev/shm more room: docker run --shm-size=SIZE; in Kubernetes an emptyDir with medium: Memory "

@@ -114,11 +114,10 @@ def room_for_pools(path: str = SHM_DIR) -> int:
     return free if available is None else min(free, available)
 
 
-def sweep_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)) -> dict[str, int]:
-    """Unlink shared memory named ``PREFIX-PID-HEX`` whose creating process is gone (an
-    engine killed before it could clean up); returns the size of each name removed. A
-    daemon that still maps one keeps its mapping; only the name goes."""
-    removed = {}
+def find_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)) -> dict[str, int]:
+    """Shared memory named ``PREFIX-PID-HEX`` whose creating process is gone (an engine
+    killed before it could clean up), with the size of each."""
+    found = {}
     for name in os.listdir(SHM_DIR):
         parts = name.rsplit("-", 2)
         if len(parts) != 3 or parts[0] not in prefixes or not parts[1].isdigit():
@@ -126,15 +125,25 @@ def sweep_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX
         try:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
-            path = os.path.join(SHM_DIR, name)
             try:
-                size = os.path.getsize(path)
-                os.unlink(path)
-                removed[name] = size
+                found[name] = os.path.getsize(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
-                pass  # another sweeper took it first
+                pass  # removed meanwhile
         except PermissionError:
             pass  # alive, someone else's
+    return found
+
+
+def sweep_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)) -> dict[str, int]:
+    """Unlink what find_orphans finds; returns the size of each name removed. A daemon
+    that still maps one keeps its mapping; only the name goes."""
+    removed = {}
+    for name, size in find_orphans(prefixes).items():
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed[name] = size
+        except FileNotFoundError:
+            pass  # another sweeper took it first
     return removed
 
 

@@ -40,14 +40,14 @@ import numpy as np
 import pytest
 
 from pdxfer import inspection as inspect_mod
-from pdxfer import tables
+from pdxfer import memory, tables
 from pdxfer.client import Client
 from pdxfer.inspection import daemon_counters
 from pdxfer.launch import DaemonProcess, start_daemon
 from pdxfer.protocol import RoomState
 from pdxfer.stamp import HEADER_BYTES
 
-from .conftest import ENGINE_PATH, needs_mooncake, small_layout
+from .conftest import ENGINE_PATH, needs_mooncake, orphan_pool, small_layout
 from .roomkit import engine, free_port, wait_until
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: 4 tokens x 64 bytes per region, 8 regions (4 layers, K and V)
@@ -592,6 +592,18 @@ def test_doctor_fails_pools_that_fit_in_dev_shm_but_not_in_the_memory_left(monke
     monkeypatch.setattr(checks, "available_memory", lambda: None)  # no /proc/meminfo: /dev/shm alone decides
     unknown = checks.check_shm(64 << 20)
     assert unknown.status == "OK" and "available" not in unknown.detail, unknown
+
+
+def test_doctor_counts_the_pools_engines_that_exited_left_in_dev_shm():
+    from pdxfer import hostchecks as checks
+
+    orphan = orphan_pool(memory.AUX_BUFFER_PREFIX, 1 << 20)
+    try:
+        detail = checks.check_shm(1 << 20).detail
+        assert "left by engines that exited: the next pool made here removes them" in detail, detail
+        assert os.path.exists(orphan)  # counted, not removed: the doctor only looks
+    finally:
+        os.unlink(orphan)
 
 
 def test_doctor_checks_fail_with_a_fix(tmp_path):
