@@ -1,6 +1,7 @@
 """Blocking ends of the bootstrap channel for tests that play one daemon by hand:
 ``PeerSocket`` connects as a decode daemon would, ``PeerListener`` listens as a
-prefill daemon would. Both speak pdxfer.peer_channel's framing with plain sockets."""
+prefill daemon would. Both speak pdxfer.peer_channel's framing with plain sockets;
+``decode_hello`` is the first thing a hand-played decode daemon says."""
 
 from __future__ import annotations
 
@@ -11,8 +12,21 @@ import socket
 import time
 
 from pdxfer.peer_channel import PREAMBLE, Deframer, encode, split_endpoint
+from pdxfer.plan import compat_of
+from pdxfer.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
 
 NO_LIMIT = 1 << 31
+
+
+def decode_hello(client, incarnation: str, name: str) -> PeerHello:
+    """The peer_hello of a decode daemon serving ``client``'s pools, as the test plays it:
+    its session and buffer addresses name nothing, so no write it allows can land."""
+    ours = compat_of(client.kv.layout, client.aux.slot_bytes)
+    return PeerHello(
+        version=PROTOCOL_VERSION, incarnation=incarnation, session="127.0.0.1:1", compat=ours, compat_hash=compat_hash(ours),
+        region_bases=(0,) * len(client.kv.arrays()), num_pages=client.kv.layout.num_pages, aux_base=0,
+        aux_slots=client.aux.num_slots, memory_version=1, name=name,
+    )
 
 
 class PeerSocket:

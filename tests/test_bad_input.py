@@ -45,7 +45,7 @@ from pdxfer.service import loose_req
 from pdxfer.wire import MAX_BATCH, Seal
 
 from .conftest import needs_mooncake, small_layout
-from .peersocket import PeerSocket
+from .peersocket import PeerSocket, decode_hello
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, engine, start_room, wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(180)]
@@ -556,15 +556,6 @@ def test_malformed_peer_messages_get_peer_error(pair, peer_sock, frames):
     check_peer_error(pair[0], peer_sock, frames, codes={"bad_message"})
 
 
-def _real_hello(decode: Live) -> p.PeerHello:
-    """The hello the live decode daemon would send, rebuilt from its registration."""
-    kv, aux = decode.client.kv, decode.client.aux
-    ours = compat_of(kv.layout, aux.slot_bytes)
-    return p.PeerHello(version=p.PROTOCOL_VERSION, incarnation="f" * 16, session="127.0.0.1:1", compat=ours,
-                       compat_hash=p.compat_hash(ours), region_bases=(0,) * 8, num_pages=NUM_PAGES, aux_base=0,
-                       aux_slots=NUM_SLOTS, memory_version=1, name="fuzz/fuzz")
-
-
 @st.composite
 def peer_messages_before_hello(draw) -> bytes:
     """Valid peer messages other than peer_hello, from a sender the prefill never met."""
@@ -614,7 +605,7 @@ def refused_hellos(draw):
 @given(change=refused_hellos(), incarnation=incarnations)
 def test_hellos_with_wrong_version_or_compat_are_refused(pair, peer_sock, change, incarnation):
     prefill, decode = pair
-    hello = _real_hello(decode)
+    hello = decode_hello(decode.client, "f" * 16, "fuzz/fuzz")
     how, value = change
     if how == "version":
         hello, codes = msgspec.structs.replace(hello, version=value), {"version_mismatch"}
@@ -632,7 +623,7 @@ def test_hellos_with_wrong_version_or_compat_are_refused(pair, peer_sock, change
 
 def test_a_hello_from_a_decode_whose_engine_predates_acknowledged_tcp_writes_is_refused(pair, peer_sock):
     prefill, decode = pair
-    hello = msgspec.structs.replace(_real_hello(decode), engine_release="0.3.11.post1")
+    hello = msgspec.structs.replace(decode_hello(decode.client, "f" * 16, "fuzz/fuzz"), engine_release="0.3.11.post1")
     reply = check_peer_error(prefill, peer_sock, [envelope("c" * 16), CODEC.encode(hello)], kinds=(p.PeerRefused,),
                              codes={"compat_mismatch"})
     assert "0.3.11.post1" in reply.reason and "overtake" in reply.reason, reply
@@ -647,7 +638,7 @@ def test_a_valid_hello_is_welcomed_and_a_silent_peer_forgotten(pair, daemons):
     sock = PeerSocket(prefill.bootstrap)
     try:
         assert client.stats().peers == 0
-        reply = ask_peer(sock, [envelope("e" * 16), CODEC.encode(_real_hello(decode))])
+        reply = ask_peer(sock, [envelope("e" * 16), CODEC.encode(decode_hello(decode.client, "f" * 16, "fuzz/fuzz"))])
         assert isinstance(reply, p.PeerWelcome) and reply.incarnation == client.welcome.incarnation, reply
         assert client.stats().peers == 1
         wait_until(lambda: client.stats().peers == 0, HB_BOUND + SLACK, "the silent peer to be forgotten")

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 
 from pdxfer.decode import OFFSET_SAMPLES, PrefillLink
 from pdxfer.inspection import daemon_counters
-from pdxfer.plan import compat_of, pages_to_bytes
+from pdxfer.plan import pages_to_bytes
 from pdxfer.protocol import (
-    PROTOCOL_VERSION,
     Codec,
     ErrorCode,
     Heartbeat,
@@ -33,12 +32,11 @@ from pdxfer.protocol import (
     RoomRequest,
     RoomState,
     TransferStarted,
-    compat_hash,
 )
 from pdxfer.wire import Seal
 
 from .conftest import needs_mooncake
-from .peersocket import PeerSocket
+from .peersocket import PeerSocket, decode_hello
 from .roomkit import SLACK, engine, free_port, wait_until
 from .test_peer_death import FakePrefill
 
@@ -101,12 +99,7 @@ class FakeDecode:
         self.seal = Seal("fakedecode000000")
         self.sock = PeerSocket(prefill.bootstrap)
         self._received: collections.deque = collections.deque()
-        ours = compat_of(client.kv.layout, client.aux.slot_bytes)
-        self.hello = PeerHello(
-            version=PROTOCOL_VERSION, incarnation="fakedecode000000", session="127.0.0.1:1", compat=ours,
-            compat_hash=compat_hash(ours), region_bases=(0,) * len(client.kv.arrays()), num_pages=client.kv.layout.num_pages,
-            aux_base=0, aux_slots=16, memory_version=1, name="fake/decode",
-        )
+        self.hello = decode_hello(client, "fakedecode000000", "fake/decode")
 
     def send(self, *messages) -> None:
         self.sock.send_multipart(self.seal.seal([self.codec.encode(m) for m in messages]))
