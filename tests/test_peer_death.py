@@ -67,6 +67,28 @@ def kill(daemon, sig=signal.SIGKILL) -> float:
     return time.monotonic()
 
 
+class Freezer:
+    """Stops (SIGSTOP) and resumes (SIGCONT) a daemon. ``thaw`` in a test's teardown
+    resumes one still stopped (an assertion failed while it was frozen), so the
+    daemon fixture can stop it."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.stopped = False
+
+    def stop(self) -> float:
+        self.stopped = True
+        return kill(self.daemon, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        kill(self.daemon, signal.SIGCONT)
+        self.stopped = False
+
+    def thaw(self) -> None:
+        if self.stopped:
+            self.resume()
+
+
 def start_room_decode_only(cd, bootstrap: str, room: int) -> None:
     cd.expect(room, bootstrap, pages(0), cd.alloc_slot())
 
@@ -231,14 +253,13 @@ def test_hung_prefill_is_declared_dead_by_silence_and_serves_again_after_sigcont
     # A lease far away: here only the prefill's own confirmation may fence the rooms.
     d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "20", "--fence-timeout", "10", name="d")
     cp, cd = engine(p), engine(d)
-    stopped = False
+    freezer = Freezer(p)
     try:
         t_start = time.monotonic()
         cases = [start_room(cp, cd, p.bootstrap, 100 + i, pages(i), pages(i), seed=i) for i in range(3)]
         wait_until(lambda: all_in(cd, room_ids(cases), T), 10 + SLACK, "every room Transferring on the decode")
 
-        t_stop = kill(p, signal.SIGSTOP)
-        stopped = True
+        t_stop = freezer.stop()
         failed = wait_until(lambda: all_in(cd, room_ids(cases), F), HB_BOUND + SLACK, "the hung prefill's rooms to fail")
         assert time.monotonic() - t_stop <= HB_BOUND + SLACK
         for status in failed.values():
@@ -253,8 +274,7 @@ def test_hung_prefill_is_declared_dead_by_silence_and_serves_again_after_sigcont
         assert d.alive()
         assert time.monotonic() < t_start + 20, "the lease may have run out; the unfenced window proves nothing"
 
-        kill(p, signal.SIGCONT)
-        stopped = False
+        freezer.resume()
         # It resumes, fails the rooms too, and confirms that nothing of theirs is in flight.
         for case in cases:
             status = cd.wait(case.id, timeout=DELAY_MS / 1000 + SLACK)
@@ -276,8 +296,7 @@ def test_hung_prefill_is_declared_dead_by_silence_and_serves_again_after_sigcont
             assert cp.wait(case.id).state is S
         assert p.alive() and d.alive()
     finally:
-        if stopped:
-            p.proc.send_signal(signal.SIGCONT)
+        freezer.thaw()
         for client in (cp, cd):
             client.close()
 
@@ -630,14 +649,13 @@ def test_a_prefill_frozen_past_the_leave_to_write_writes_nothing_into_released_p
     p = daemons("prefill", *HB_FLAGS, "--bootstrap-timeout", "30", name="p")
     d = daemons("decode", *HB_FLAGS, "--transfer-timeout", "1", "--fence-timeout", "0.5", name="d")  # leave: 1.5 s
     cp, cd = engine(p), engine(d)
-    stopped = False
+    freezer = Freezer(p)
     try:
         warm = start_room(cp, cd, p.bootstrap, 100, pages(0), pages(0), seed=0)  # the link knows the prefill's clock
         assert cd.wait(warm.id).state is S and cp.wait(warm.id).state is S
         blocks_before = daemon_counters(p.ready["admin"])["blocks_submitted"]
 
-        t_stop = kill(p, signal.SIGSTOP)
-        stopped = True
+        t_stop = freezer.stop()
         late = start_room(cp, cd, p.bootstrap, 101, pages(1), pages(1), seed=1, send=False)
         sent: list = []
         sender = threading.Thread(target=lambda: sent.append(_outcome(send_room, late)))
@@ -647,8 +665,7 @@ def test_a_prefill_frozen_past_the_leave_to_write_writes_nothing_into_released_p
         cd.release(late.id)
         reused = reuse_pages(late, 0x5A)  # another room's bytes now
         time.sleep(max(0.0, 3.0 - (time.monotonic() - t_stop)))
-        kill(p, signal.SIGCONT)
-        stopped = False
+        freezer.resume()
 
         sender.join(SLACK)
         assert sent and sent[0] in ("ok", "refused"), sent
@@ -656,8 +673,7 @@ def test_a_prefill_frozen_past_the_leave_to_write_writes_nothing_into_released_p
         assert_nothing_written(p, blocks_before, late, reused)
         assert p.alive() and d.alive()
     finally:
-        if stopped:
-            p.proc.send_signal(signal.SIGCONT)
+        freezer.thaw()
         for client in (cp, cd):
             client.close()
 
