@@ -20,7 +20,6 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-import msgspec
 import zmq
 
 from . import admin, memory, paths
@@ -31,7 +30,7 @@ from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
+from .protocol import UNDECODABLE, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Transport
 from .peer_channel import PeerLink, PeerServer
@@ -323,7 +322,7 @@ class Daemon:
                 reply = admin.handle(self, self.codec.admin_requests.decode(payload))
             except PdxferError as exc:
                 reply = Error(req=0, code=exc.code, message=exc.message)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except UNDECODABLE as exc:
                 reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
             self._admin.post(identity, self.codec.encode(reply))
 

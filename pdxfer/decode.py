@@ -40,6 +40,7 @@ from .errors import IllegalTransition, PdxferError
 from .plan import check_pages, pages_from_bytes
 from .pools import compat
 from .protocol import (
+    UNDECODABLE,
     PROTOCOL_VERSION,
     AuxRecord,
     ErrorCode,
@@ -243,7 +244,7 @@ class DecodeService(RoomService):
             self._restarted(link, incarnation)
         try:
             msg = self.codec.peer_messages.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             log.warning("undecodable message from prefill %s: %s", endpoint, exc)
             return
         try:

@@ -24,7 +24,6 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from . import errors, paths
@@ -39,6 +38,7 @@ from .plan import (
     plan_blocks,
 )
 from .protocol import (
+    UNDECODABLE,
     PROTOCOL_VERSION,
     AuxRecord,
     ErrorCode,
@@ -166,7 +166,7 @@ class PrefillService(RoomService):
             return
         try:
             msg = self.codec.peer_messages.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
             return
         if self.kv is None or self.aux is None:

@@ -594,6 +594,11 @@ def tag_of(message: Message) -> str:
     return type(message).__struct_config__.tag
 
 
+# What a typed decoder raises for input that is not a valid message: msgspec reports
+# bad UTF-8 inside a string as UnicodeDecodeError, not as one of its own errors.
+UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError)
+
+
 class Codec:
     """One encoder and typed decoders, built once and reused."""
 

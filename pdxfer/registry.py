@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from .errors import PdxferError, Unsupported
-from .protocol import ErrorCode, Role
+from .protocol import UNDECODABLE, ErrorCode, Role
 
 log = logging.getLogger("pdxfer.registry")
 
@@ -215,7 +215,7 @@ class Registry:
     def _changed(self, kind: str, key: bytes, value: bytes) -> None:
         try:
             record = self._decoder.decode(value)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             log.warning("ignoring an unreadable registry entry at %r", key)
             return
         if kind == "DELETE":

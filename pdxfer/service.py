@@ -22,6 +22,7 @@ from .errors import PdxferError
 from .plan import check_memory_version
 from .pools import AuxBuffer, KVPool
 from .protocol import (
+    UNDECODABLE,
     PROTOCOL_VERSION,
     Abort,
     AllocSlot,
@@ -115,7 +116,7 @@ class RoomService:
             return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
         try:
             msg = self.codec.engine_requests.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
         if isinstance(msg, (RegisterKV, RegisterAux)):
             return self._registration(msg)

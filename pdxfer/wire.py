@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .errors import BadMessage, PdxferError
-from .protocol import Envelope, ErrorCode
+from .protocol import UNDECODABLE, Envelope, ErrorCode
 
 log = logging.getLogger("pdxfer.wire")
 
@@ -101,7 +101,7 @@ class Seal:
             raise BadMessage(f"a peer message has an envelope and 1 to {MAX_BATCH} payload frames, not {len(frames)} frames")
         try:
             env = self._decoder.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             raise BadMessage(f"cannot decode the envelope: {exc}") from None
         payloads = frames[1:]
         if self.secret and not hmac.compare_digest(env.mac, self._mac(env.incarnation, payloads)):

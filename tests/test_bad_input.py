@@ -135,7 +135,7 @@ def engine_decodes(raw: bytes) -> bool:
     try:
         CODEC.engine_requests.decode(raw)
         return True
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except p.UNDECODABLE:
         return False
 
 
@@ -518,7 +518,7 @@ def peer_decodes(raw: bytes) -> bool:
     try:
         CODEC.peer_messages.decode(raw)
         return True
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except p.UNDECODABLE:
         return False
 
 
@@ -526,7 +526,7 @@ def envelope_decodes(raw: bytes) -> bool:
     try:
         msgspec.msgpack.decode(raw, type=p.Envelope)
         return True
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except p.UNDECODABLE:
         return False
 
 
@@ -554,6 +554,21 @@ def malformed_peer_frames(draw) -> list[bytes]:
 @given(frames=malformed_peer_frames())
 def test_malformed_peer_messages_get_peer_error(pair, peer_sock, frames):
     check_peer_error(pair[0], peer_sock, frames, codes={"bad_message"})
+
+
+NOT_UTF8 = b"\xa5\x00\x00\x00\x00\x80"  # a msgpack string whose 5 bytes are not UTF-8
+
+
+def test_a_string_that_is_not_utf8_is_bad_input_on_either_channel(pair, engine_socks, peer_sock):
+    """msgspec reports bad UTF-8 inside a string as UnicodeDecodeError rather than as
+    one of its own errors (hypothesis found it in an envelope); both channels answer it
+    like any other undecodable message (H3)."""
+    poll = b"\x83\xa4kind" + NOT_UTF8 + b"\xa3req\x09\xa4room\x01"  # {"kind": <not UTF-8>, "req": 9, "room": 1}
+    reply = check_engine_error(pair[1], engine_socks["decode"], poll, {"bad_message"}, req=0)  # no part of it decodes, req neither
+    assert "cannot decode engine message" in reply.message, reply
+    envelope_of_bad_name = b"\x92" + NOT_UTF8 + b"\xc4\x00"  # [<not UTF-8>, b""]
+    reply = check_peer_error(pair[0], peer_sock, [envelope_of_bad_name, CODEC.encode(p.Heartbeat(seq=1))], codes={"bad_message"})
+    assert "cannot decode the envelope" in reply.message, reply
 
 
 @st.composite
