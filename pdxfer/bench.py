@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from . import config, cpu_yield
 from .bench_plan import Plan, Workload, block_counts, make_plan, time_planning
 from .bench_raw import APIS as RAW_APIS
 from .bench_report import FIGURES, format_report, targets
@@ -222,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report = build_report(args, workloads, plans, runs)
     report["box"] = {"cpus": os.cpu_count(), "seconds": wall, "foreign_cpu_s": foreign,
                      "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0,
-                     "cpu_probe_ms": [probe_before, probe_after]}
+                     "cpu_probe_ms": [probe_before, probe_after], "pdxfer_normal_policy_why": daemon_cpu_policy()}
     # every run counts here, the baseline APIs that were not picked included
     failures = [(name, key, r.error) for name, by_key in runs.items() for key, rs in by_key.items() for r in rs if r.error]
     bad = [(name, key, n) for name, by_key in runs.items() for key, rs in by_key.items() if (n := sum(r.mismatches for r in rs))]
@@ -271,6 +272,13 @@ def run_all(args: argparse.Namespace, workloads: list[Workload], plans: dict, wo
     bar.finish()
     stream.label = ""
     return runs
+
+
+def daemon_cpu_policy() -> str:
+    """Why the pdxfer daemons this bench starts (with its environment) keep the normal
+    CPU policy for their own threads, or '' when they yield the cores (--yield-cpu)."""
+    cfg = config.load({"role": "prefill"})
+    return cpu_yield.why_not(cfg.yield_cpu, cfg.heartbeat_bound)
 
 
 def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dict, runs: dict) -> dict:

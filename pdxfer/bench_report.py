@@ -160,6 +160,10 @@ def format_report(report: dict) -> str:
     if box["foreign_share"] > BUSY_SHARE:
         lines.append(f"  WARNING: other processes used {box['foreign_cpu_s']:.0f} CPU-seconds ({box['foreign_share']:.0%} of the box) "
                      "while this ran; the figures are unreliable")
+    why = box.get("pdxfer_normal_policy_why")
+    if why is not None:
+        lines.append("  pdxfer daemons: their own threads " + (f"keep the normal CPU policy ({why})" if why else
+                     "yield the cores to the transfer engine's (SCHED_IDLE, --yield-cpu)"))
     before, after = box.get("cpu_probe_ms", (None, None))
     if before and after:
         lines.append(f"  CPU probe (fixed pure-Python loop): {before:.1f} ms before, {after:.1f} ms after")

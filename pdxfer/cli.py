@@ -46,7 +46,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = f"; env {config_mod.ENV_PREFIX}{name.upper()}"
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=f"{desc}{env}")
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"{desc} (default: {'on' if default else 'off'}){env}")
             continue
         shown = "" if default is msgspec.NODEFAULT else f" (default: {default!r})"
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{desc}{shown}{env}")

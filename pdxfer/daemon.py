@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import zmq
 
-from . import admin, memory, paths
+from . import admin, cpu_yield, memory, paths
 from .config import Config
 from .decode import DecodeService
 from .prefill import PrefillService
@@ -59,6 +59,9 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.http_port = 0
         self.admin_endpoint = ""
+        self.yielding: cpu_yield.Yielding | None = None  # None: the daemon's threads keep the normal policy
+        self.cpu_takebacks = 0
+        self._taken_back: list[int] = []  # threads that left SCHED_IDLE, to yield again
         self._http: HttpEndpoint | None = None
         self.registry: Registry | None = None
         self._admin: Router | None = None
@@ -85,6 +88,7 @@ class Daemon:
                 if self.transport is None:
                     self.transport = make_transport(cfg)
                 self.session = await loop.run_in_executor(None, self.transport.start)
+                self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes)
                 self._bootstrap.on_error = self._peer_handler_failed
@@ -117,6 +121,30 @@ class Daemon:
             "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
             cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
         )
+
+    def _yield_cpu(self) -> None:
+        """From now on the threads this daemon starts, and its loop, yield the cores to
+        the transfer engine's (cpu_yield.py), where it can take them back."""
+        why = cpu_yield.why_not(self.config.yield_cpu, self.config.heartbeat_bound)
+        if why:
+            log.info("the daemon's threads keep the normal CPU policy (--yield-cpu): %s", why)
+            return
+        cpu_yield.yield_this_thread()
+        self.yielding = cpu_yield.Yielding(time.monotonic())
+
+    def _cpu_window(self, span: float, loop_wait: float, own_cpu: float) -> None:
+        change = self.yielding.window(span, loop_wait, own_cpu, time.monotonic())
+        if change is False:
+            self._taken_back = cpu_yield.take_back()
+            self.cpu_takebacks += 1
+            log.warning(
+                "the event loop waited %.0f%% of the last %.1fs for a core while this process ran %.0f%% of one: other "
+                "processes hold the cores, so the daemon's %d threads leave SCHED_IDLE; they yield again after %.0fs of calm",
+                100 * loop_wait / span, span, 100 * own_cpu / span, len(self._taken_back), self.yielding.calm_needed,
+            )
+        elif change is True:
+            cpu_yield.yield_again(self._taken_back)
+            log.info("calm for %.0fs: the daemon's threads yield the cores to the transfer engine again", self.yielding.calm_needed)
 
     def _window(self) -> int:
         """Writes in flight per peer: the configured window, kept at half the engine's
@@ -227,6 +255,9 @@ class Daemon:
         self._stopping.set()
 
     async def stop(self) -> None:
+        if self.yielding is not None:  # shut down at the normal policy, and leave the process as it was
+            cpu_yield.take_back()
+            self.yielding = None
         if self.registry is not None:
             try:  # go from the registry at once, rather than when the lease lapses
                 await asyncio.wait_for(self.registry.deregister(), 2)
@@ -344,9 +375,13 @@ class Daemon:
         return (503 if waiting else 200), "application/json", body
 
     async def _ticker(self) -> None:
+        window = (time.monotonic(), cpu_yield.run_queue_wait(), time.process_time()) if self.yielding is not None else None
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.service.tick()
+            if window is not None and self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
+                start, window = window, (time.monotonic(), cpu_yield.run_queue_wait(), time.process_time())
+                self._cpu_window(*(now - then for now, then in zip(window, start)))
 
     # --- sending, injected into the services
 

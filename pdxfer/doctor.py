@@ -17,6 +17,7 @@ from .hostchecks import (
     Check,
     Settings,
     check_engine,
+    check_cpu_yield,
     check_engine_env,
     check_gpu,
     check_libraries,
@@ -163,7 +164,7 @@ def settings(args) -> tuple[Settings, Check]:
             cfg = config_mod.load({"role": "prefill"}, env={})
     s = Settings(role=role, protocol=cfg.protocol, device=cfg.device, host=cfg.host, bootstrap_port=cfg.bootstrap_port,
                  http_port=cfg.http_port, runtime_dir=cfg.socket_dir, name=args.name or "", rdma_devices=cfg.rdma_devices,
-                 pool_bytes=args.pool_bytes)
+                 pool_bytes=args.pool_bytes, yield_cpu=cfg.yield_cpu, heartbeat_bound=cfg.heartbeat_bound)
     return s, check
 
 
@@ -179,6 +180,7 @@ def run_checks(args) -> tuple[Settings, list[Check]]:
         check_engine_env(s, os.environ, installed_release()),
         check_rdma(s, devices),
         check_libraries(),
+        check_cpu_yield(s),
         check_shm(s.pool_bytes),
         check_runtime_dir(s),
         check_port("bootstrap port", "--bootstrap-port", s.host, s.bootstrap_port, live) if s.role != "decode"

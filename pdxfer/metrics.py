@@ -113,6 +113,14 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)
+        daemon = metrics.daemon
+        yield GaugeMetricFamily(
+            "pdxfer_cpu_yielding", "1 while the daemon's own threads yield the cores to the transfer engine's (SCHED_IDLE, --yield-cpu)",
+            value=int(daemon.yielding is not None and daemon.yielding.active),
+        )
+        yield CounterMetricFamily(
+            "pdxfer_cpu_takebacks", "Times the daemon's threads left SCHED_IDLE because its event loop ran late", value=daemon.cpu_takebacks,
+        )
         yield CounterMetricFamily(
             "pdxfer_heartbeat_misses", "Heartbeats sent with no word from the peer since the one before (decode side)",
             value=service.heartbeat_misses,

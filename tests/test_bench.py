@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer import cpu_yield
 from pdxfer.bench import by_repeat, memory_shortfall, planning_figures
 from pdxfer.bench_report import format_report, targets
 from pdxfer.bench_run import RunResult
@@ -110,6 +111,14 @@ def test_planning_is_compared_with_large_or_medium_rates_only(measured, rate):
     assert planning["at_gbps"] == rate
     for t in planning["layouts"].values():
         assert (t["plan_share"] is None) is (rate is None)
+
+
+@pytest.mark.parametrize("why, said", [("", "yield the cores to the transfer engine's"),
+                                       ("--no-yield-cpu", "keep the normal CPU policy (--no-yield-cpu)")])
+def test_report_says_whether_the_pdxfer_daemons_yielded_the_cores(why, said):
+    report = {"config": {"repeat": 1, "seed": 1}, "workloads": {}, "sweep": [], "targets": [],
+              "box": {"cpus": 2, "seconds": 9.0, "foreign_cpu_s": 0.0, "foreign_share": 0.0, "pdxfer_normal_policy_why": why}}
+    assert f"pdxfer daemons: their own threads {said}" in format_report(report)
 
 
 @pytest.mark.parametrize("probe, warned", [((10.0, 11.0), False), ((10.0, 14.0), True), ((14.0, 10.0), True)])
@@ -224,6 +233,7 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
         assert wl["systems"]["pdxfer"]["median"]["rss_idle_mib"] > 0
     unmeasured = {t["target"] for t in report["targets"] if t["met"] is None}
     assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
+    assert report["box"]["pdxfer_normal_policy_why"] == cpu_yield.unavailable()  # the daemons it started yield where they can
     assert "rooms" in err and "GB/s" in err  # the progress bar, on stderr
 
 

@@ -23,6 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..cpu_yield import normal_policy
 from ..errors import Unsupported
 from ..paths import ENGINE_PROTOCOL
 from . import PROBE_BYTES, Status
@@ -114,10 +115,11 @@ class MooncakeTransport:
 
     def _new_engine(self):
         os.environ.update(self.engine_env)
-        engine = load_engine_class()()
         # A metadata store keys segments by the name given: make it unique with a free port.
         self._local_name = self.host if self.metadata == "P2PHANDSHAKE" else f"{self.host}:{free_port(self.host)}"
-        rc = engine.initialize(self._local_name, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
+        with normal_policy():  # the engine's threads must not inherit a yielding caller's SCHED_IDLE (cpu_yield.py)
+            engine = load_engine_class()()
+            rc = engine.initialize(self._local_name, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
         if rc != 0:
             raise Unsupported(
                 f"transfer engine failed to initialise protocol {self.protocol} on {self.host} (code {rc}); "

@@ -1,0 +1,172 @@
+"""The daemon's own threads give the cores to the transfer engine's threads.
+
+Why: over TCP, each of the engine's lanes carries one write at a time and waits for
+the destination's acknowledgement. An engine thread that wakes to find its core busy
+with the daemon's Python (event loop, pump, ZMQ) waits in the run queue, and its lanes
+sit idle meanwhile. Moving medium rooms on a 2-core VM, the engine's sending and
+receiving threads waited there 16-24% and 25-33% of the time while the box sat 15-20%
+idle. With the daemon's threads under SCHED_IDLE they waited 3-7% and 6-11%, and pdxfer
+moved 14-44% more GB/s over six interleaved pairs of runs (README, Performance).
+
+How: once the transfer engine has started (its threads keep the normal policy), the
+daemon's main thread switches to SCHED_IDLE, and every thread it starts afterwards
+(pump, ZMQ I/O, workers) inherits it. The kernel lets a waking normal thread preempt a
+SCHED_IDLE one at once; SCHED_IDLE threads run whenever no normal thread wants the core.
+
+The risk is starvation: while other processes fill every core, SCHED_IDLE threads get
+next to no CPU. A daemon with little to do still gets a core within a few hundred
+milliseconds (measured: 16-230 ms per half second behind a busy process on its only
+core), but a busy one crawls. So the daemon yields only where it can take the cores
+back (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20) and only when its
+peers allow it MIN_HEARTBEAT_BOUND seconds of silence; and ``Yielding`` judges each
+WINDOW: if the event loop's thread waited for a core (runnable, not running) over half
+of it while the whole process, the engine's threads included, ran less than half a
+core, other processes hold the cores, and the daemon's threads return to the normal
+policy. (Its own engine threads are what the loop waits behind when the transfer
+keeps the process busy: that is the point of yielding.) They yield again after a calm
+spell that doubles with each return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+
+WINDOW = 1.0  # seconds over which the daemon judges whether it is starved
+STARVED_WAIT = 0.5  # the loop waited for a core over this share of the window...
+STARVED_OWN_CPU = 0.5  # ...while the process ran less than this many cores' worth of it
+CALM_WAIT = 0.1  # at the normal policy, a window whose loop waited less than this share is calm
+CALM_FIRST, CALM_MAX = 60.0, 3600.0  # seconds of calm before yielding again: the first time, and at most
+MIN_HEARTBEAT_BOUND = 2.0  # seconds of silence peers must allow: ten times a yielding loop's wait behind a busy process
+SCHEDSTAT = "/proc/thread-self/schedstat"  # run time, run-queue wait (ns), timeslices
+
+
+def run_queue_wait() -> float:
+    """Seconds the calling thread has spent runnable but not running, since it started."""
+    with open(SCHEDSTAT, "rb") as fh:
+        return int(fh.read().split()[1]) / 1e9
+
+
+class Yielding:
+    """Whether the daemon's threads should yield now, judged window by window (pure:
+    the daemon applies what ``window`` returns)."""
+
+    def __init__(self, now: float) -> None:
+        self.active = True  # the daemon yields from the start
+        self.returns = 0  # times the cores were taken back
+        self._calm_since = now
+
+    @property
+    def calm_needed(self) -> float:
+        """Seconds of calm after which a daemon that took the cores back yields again."""
+        return min(CALM_MAX, CALM_FIRST * 2 ** max(0, self.returns - 1))
+
+    def window(self, span: float, loop_wait: float, own_cpu: float, now: float) -> bool | None:
+        """Over the last ``span`` seconds the loop waited ``loop_wait`` seconds for a
+        core and the process ran ``own_cpu`` CPU seconds; it is ``now``. Returns False
+        to take the cores back, True to yield them again, None to leave things as they are."""
+        if self.active:
+            if loop_wait <= STARVED_WAIT * span or own_cpu >= STARVED_OWN_CPU * span:
+                return None
+            self.active = False
+            self.returns += 1
+            self._calm_since = now
+            return False
+        if loop_wait >= CALM_WAIT * span:  # still short of CPU, even at the normal policy
+            self._calm_since = now
+            return None
+        if now - self._calm_since < self.calm_needed:
+            return None
+        self.active = True
+        return True
+
+
+def too_tight(heartbeat_bound: float) -> str:
+    """Why heartbeats this tight rule yielding out, or ''."""
+    if heartbeat_bound >= MIN_HEARTBEAT_BOUND:
+        return ""
+    return f"peers declare this daemon dead after {heartbeat_bound:g}s of silence, under the {MIN_HEARTBEAT_BOUND:g}s a yielding loop needs"
+
+
+def why_not(enabled: bool, heartbeat_bound: float) -> str:
+    """Why a daemon with these settings, in this process's place, keeps the normal
+    policy for its threads; '' if it yields."""
+    if not enabled:
+        return "--no-yield-cpu"
+    return too_tight(heartbeat_bound) or unavailable()
+
+
+def unavailable() -> str:
+    """Why this process cannot yield and take the cores back, or '' if it can. Tried on
+    a throwaway thread, since the rule (CAP_SYS_NICE or RLIMIT_NICE) is the kernel's."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return "this platform has no SCHED_IDLE"
+    if not os.path.exists(SCHEDSTAT):
+        return f"no {SCHEDSTAT} to watch the event loop for starvation"
+    why: list[str] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:
+            why.append(f"cannot switch a thread to SCHED_IDLE ({exc.strerror})")
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError as exc:
+            reason = "it needs CAP_SYS_NICE or an RLIMIT_NICE of 20" if exc.errno == errno.EPERM else exc.strerror
+            why.append(f"a thread cannot leave SCHED_IDLE ({reason})")
+
+    thread = threading.Thread(target=attempt, name="pdxfer-sched-probe")
+    thread.start()
+    thread.join()
+    return "; ".join(why)
+
+
+def yield_this_thread() -> None:
+    """SCHED_IDLE for the calling thread and every thread it starts from now on."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _set_policy(tids: list[int], policy: int) -> list[int]:
+    changed = []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        changed.append(tid)
+    return changed
+
+
+def take_back() -> list[int]:
+    """Return every SCHED_IDLE thread of this process to the normal policy; their ids."""
+    idle = []
+    for name in os.listdir("/proc/self/task"):
+        try:
+            if os.sched_getscheduler(int(name)) == os.SCHED_IDLE:
+                idle.append(int(name))
+        except ProcessLookupError:
+            continue
+    return _set_policy(idle, os.SCHED_OTHER)
+
+
+def yield_again(tids: list[int]) -> list[int]:
+    """SCHED_IDLE again for the threads ``take_back`` returned (those still running)."""
+    return _set_policy(tids, os.SCHED_IDLE)
+
+
+@contextlib.contextmanager
+def normal_policy():
+    """Run the block at the normal policy, so that threads it starts (a new transfer
+    engine's) get the normal policy even when the caller yields."""
+    idle = hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE
+    if idle:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    try:
+        yield
+    finally:
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
