@@ -52,13 +52,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{desc}{shown}{env}")
 
 
-def run_uvloop(coro) -> None:
+def run_uvloop(coro):
+    """Run ``coro`` to completion on uvloop; its result."""
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; this only keeps odd platforms working
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

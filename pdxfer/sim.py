@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import errors
+from .cli import run_uvloop
 from .client import AsyncClient, Slot
 from .plan import pages_for_tokens
 from .protocol import KVLayout, Layout, RoomState
@@ -402,12 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runner = run_prefill if args.role == "prefill" else run_decode
-    try:
-        import uvloop
-
-        summary = uvloop.run(runner(args))
-    except ImportError:
-        summary = asyncio.run(runner(args))
+    summary = run_uvloop(runner(args))
     sys.stdout.write(json.dumps(summary) + "\n")
     sys.stdout.flush()
     return 1 if summary.get("mismatches") else 0
