@@ -33,6 +33,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 
 WINDOW = 1.0  # seconds over which the daemon judges whether it is starved
 STARVED_WAIT = 0.5  # the loop waited for a core over this share of the window...
@@ -43,10 +44,13 @@ MIN_HEARTBEAT_BOUND = 2.0  # seconds of silence peers must allow: ten times a yi
 SCHEDSTAT = "/proc/thread-self/schedstat"  # run time, run-queue wait (ns), timeslices
 
 
-def run_queue_wait() -> float:
-    """Seconds the calling thread has spent runnable but not running, since it started."""
+def sample() -> tuple[float, float, float]:
+    """(monotonic time, seconds the calling thread has spent runnable but not running
+    since it started, this process's CPU seconds): two samples' difference is what
+    ``Yielding.window`` judges."""
     with open(SCHEDSTAT, "rb") as fh:
-        return int(fh.read().split()[1]) / 1e9
+        waited = int(fh.read().split()[1]) / 1e9
+    return time.monotonic(), waited, time.process_time()
 
 
 class Yielding:

@@ -375,12 +375,12 @@ class Daemon:
         return (503 if waiting else 200), "application/json", body
 
     async def _ticker(self) -> None:
-        window = (time.monotonic(), cpu_yield.run_queue_wait(), time.process_time()) if self.yielding is not None else None
+        window = cpu_yield.sample() if self.yielding is not None else None  # yielding is decided before the ticker starts
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.service.tick()
-            if window is not None and self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
-                start, window = window, (time.monotonic(), cpu_yield.run_queue_wait(), time.process_time())
+            if self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
+                start, window = window, cpu_yield.sample()
                 self._cpu_window(*(now - then for now, then in zip(window, start)))
 
     # --- sending, injected into the services

@@ -119,7 +119,7 @@ class _Collector:
             value=int(daemon.yielding is not None and daemon.yielding.active),
         )
         yield CounterMetricFamily(
-            "pdxfer_cpu_takebacks", "Times the daemon's threads left SCHED_IDLE because its event loop ran late", value=daemon.cpu_takebacks,
+            "pdxfer_cpu_takebacks", "Times the daemon's threads left SCHED_IDLE because other processes starved its event loop", value=daemon.cpu_takebacks,
         )
         yield CounterMetricFamily(
             "pdxfer_heartbeat_misses", "Heartbeats sent with no word from the peer since the one before (decode side)",
