@@ -2,7 +2,7 @@
 
 Why: over TCP, each of the engine's lanes carries one write at a time and waits for
 the destination's acknowledgement. An engine thread that wakes to find its core busy
-with the daemon's Python (event loop, pump, ZMQ) waits in the run queue, and its lanes
+with the daemon's Python (event loop, ZMQ) waits in the run queue, and its lanes
 sit idle meanwhile. Moving medium rooms on a 2-core VM, the engine's sending and
 receiving threads waited there 16-24% and 25-33% of the time while the box sat 15-20%
 idle. With the daemon's threads under SCHED_IDLE they waited 3-7% and 6-11%, and pdxfer
@@ -10,7 +10,8 @@ moved 14-44% more GB/s over six interleaved pairs of runs (README, Performance).
 
 How: once the transfer engine has started (its threads keep the normal policy), the
 daemon's main thread switches to SCHED_IDLE, and every thread it starts afterwards
-(pump, ZMQ I/O, workers) inherits it. The kernel lets a waking normal thread preempt a
+(ZMQ I/O, workers) inherits it; not the pump, which takes a lock the engine's sending
+thread needs (pump.py). The kernel lets a waking normal thread preempt a
 SCHED_IDLE one at once; SCHED_IDLE threads run whenever no normal thread wants the core.
 
 The risk is starvation: while other processes fill every core, SCHED_IDLE threads get

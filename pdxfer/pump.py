@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .cpu_yield import normal_policy
 from .plan import Blocks
 from .transport import Status, Transport
 
@@ -112,8 +113,12 @@ class TransferPump:
         self._reset_wanted = ""  # the peer whose probe failed, until the transport is reset
 
     def start(self) -> None:
+        # At the normal policy even in a daemon that yields the cores (cpu_yield.py):
+        # submitting takes a lock the engine's sending thread needs, and a SCHED_IDLE
+        # holder preempted mid-call stalls that thread behind it.
         self._thread = threading.Thread(target=self._run, name="pdxfer-pump", daemon=True)
-        self._thread.start()
+        with normal_policy():
+            self._thread.start()
 
     def submit(self, job: Job) -> None:
         self._inbox.append(job)

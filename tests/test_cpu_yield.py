@@ -5,6 +5,7 @@ another process on its core taking them back."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -17,9 +18,11 @@ import pytest
 from pdxfer import cpu_yield
 from pdxfer.client import Client
 from pdxfer.cpu_yield import CALM_FIRST, CALM_MAX, Yielding
+from pdxfer.pump import TransferPump
 
 from .conftest import needs_mooncake
 from .roomkit import free_port, wait_until
+from .test_pump import FakeTransport
 from .test_metrics import scrape, value
 
 UNAVAILABLE = cpu_yield.unavailable()
@@ -145,6 +148,28 @@ def test_threads_started_by_a_yielding_thread_yield_unless_started_under_normal_
         done.set()
         parent.join()
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the test process is left as it was
+
+
+@needs_sched_idle
+def test_the_pump_started_by_a_yielding_daemon_keeps_the_normal_policy():
+    """The pump takes the transfer engine's locks; under SCHED_IDLE a preempted pump
+    would stall the engine's sending thread behind it (priority inversion)."""
+    seen: dict[str, int] = {}
+
+    def yielding_daemon() -> None:
+        cpu_yield.yield_this_thread()
+        pump = TransferPump(FakeTransport(window=4), window=4, loop=asyncio.new_event_loop())
+        pump.start()
+        try:
+            seen["pump"] = os.sched_getscheduler(pump._thread.native_id)
+            seen["daemon"] = os.sched_getscheduler(0)
+        finally:
+            pump.stop()
+
+    daemon = threading.Thread(target=yielding_daemon)
+    daemon.start()
+    daemon.join()
+    assert seen == {"pump": os.SCHED_OTHER, "daemon": os.SCHED_IDLE}
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
