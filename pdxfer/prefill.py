@@ -155,7 +155,7 @@ class PrefillService(RoomService):
         w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
         self.rooms.apply(room, Event.INPUT_READY, self.clock())
         if room.state is RoomState.TRANSFERRING:
-            self._start(room, w, announce=True)
+            self._start(room, w, announce=TransferStarted(room=room.id))
         return Ok(req=msg.req)
 
     # --- bootstrap channel
@@ -283,14 +283,17 @@ class PrefillService(RoomService):
         room.peer = peer.label
         peer.rooms.add(room.id)
         self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
-        self.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=room.has_input))
         if room.state is RoomState.TRANSFERRING:
-            self._start(room, w)
+            self._start(room, w, announce=RoomAccepted(room=room.id, input_ready=True))
+        else:
+            self.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=False))
 
-    def _start(self, room: Room, w: PrefillWork, announce: bool = False) -> None:
+    def _start(self, room: Room, w: PrefillWork, announce: Message) -> None:
         """Both halves are in: check everything, plan, and hand the blocks to the pump.
-        ``announce``: the decode side still waits for our input; tell it writes begin
-        (an inline room's aux record, sent at once, tells it instead)."""
+        ``announce`` tells the decode side writes begin (room_accepted, or
+        transfer_started when our input came later). An inline room's aux record, sent
+        at once, tells it instead, and a failed room's room_failed: one message fewer
+        for every small room."""
         kv = self._kv()
         peer = self.peers.get(w.peer)
         req = w.request
@@ -321,8 +324,7 @@ class PrefillService(RoomService):
                 f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
                 "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
             return
-        if announce:
-            self.send_peer(w.peer, TransferStarted(room=room.id))
+        self.send_peer(w.peer, announce)
         w.lease_end = min(now + self._lease(req), leave)
         w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)

@@ -6,22 +6,25 @@ or that does not fit the room."""
 
 from __future__ import annotations
 
+import time
 import zlib
 
+import msgspec
 import numpy as np
 import pytest
 
 from pdxfer import paths
 from pdxfer.inspection import daemon_counters
 from pdxfer.memory import SharedMemory
-from pdxfer.plan import pool_bytes, region_views
+from pdxfer.plan import pages_to_bytes, pool_bytes, region_views
 from pdxfer.pools import KVPool
-from pdxfer.protocol import AuxRecord, ErrorCode, Layout, PeerHello, RoomAccepted, RoomRequest, RoomState
+from pdxfer.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
 from pdxfer.stamp import stamp_for
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import SLACK, engine, free_port, start_room
 from .test_peer_death import FakePrefill
+from .test_write_leave import FakeDecode
 
 TCP, TE = paths.AuxPath.TCP, paths.AuxPath.TRANSFER_ENGINE
 
@@ -153,7 +156,7 @@ def test_a_decode_daemon_refuses_inline_kv_it_did_not_offer_or_that_does_not_fit
         page_bytes = sum(a.shape[1] for a in region_pages)  # one page index over every region
         link = {}
 
-        def room(room_id: int, dst: list[int], kv: bytes, kv_pages: int):
+        def room(room_id: int, dst: list[int], kv: bytes, kv_pages: int, accepted: bool = True):
             cd.expect(room_id, f"127.0.0.1:{port}", np.array(dst), cd.alloc_slot())
             if room_id == 1:
                 identity, hello = fake.recv_kind(PeerHello)
@@ -161,7 +164,8 @@ def test_a_decode_daemon_refuses_inline_kv_it_did_not_offer_or_that_does_not_fit
                 fake.welcome(identity)
                 link["identity"] = identity
             _, request = fake.recv_kind(RoomRequest)
-            fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True))
+            if accepted:
+                fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True))
             aux = b"aux of %d" % room_id
             stamp = stamp_for(room_id, request.generation, aux)
             fake.send(link["identity"], AuxRecord(room=room_id, slot=request.slot, generation=request.generation, length=stamp.length,
@@ -183,9 +187,48 @@ def test_a_decode_daemon_refuses_inline_kv_it_did_not_offer_or_that_does_not_fit
         assert good.state is RoomState.SUCCESS, good
         landed = b"".join(a[40].tobytes() for a in region_pages)
         assert landed == bytes(range(256)) * (page_bytes // 256)
+        # A prefill whose engine's send() came first sends no room_accepted before the record.
+        unannounced = room(5, [41], bytes(range(255, -1, -1)) * (page_bytes // 256), 1, accepted=False)
+        assert unannounced.state is RoomState.SUCCESS, unannounced
+        assert b"".join(a[41].tobytes() for a in region_pages) == bytes(range(255, -1, -1)) * (page_bytes // 256)
     finally:
         fake.close()
         cd.close()
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_a_small_room_whose_input_came_first_gets_its_record_and_no_other_message(daemons):
+    """The aux record carrying the KV tells the decode side all that room_accepted
+    would have: one message fewer for every small room. A room whose input comes
+    later is still accepted first, so the decode side knows it paired."""
+    prefill = daemons("prefill", "--inline-kv-bytes", "65536", "--heartbeat-interval", "5", "--heartbeat-misses", "6", name="p")
+    client = engine(prefill)
+    fake = FakeDecode(prefill, client)
+    try:
+        fake.send(msgspec.structs.replace(fake.hello, inline_kv_bytes=65536))
+        fake.recv_until(PeerWelcome)
+        page_tokens = client.kv.layout.page_size
+
+        def request(room_id: int, pages: list[int]) -> RoomRequest:
+            return RoomRequest(room=room_id, pages=pages_to_bytes(pages), slot=room_id, generation=1, memory_version=1,
+                               lease_ms=30_000, writes_until=time.monotonic() + 30.0)
+
+        client.send(7, [1, 2], num_tokens=2 * page_tokens, slot=client.alloc_slot())
+        time.sleep(0.2)  # the engine's send() is in before the request
+        fake.send(request(7, [20, 21]))
+        first = fake.recv_until(AuxRecord)
+        assert [type(m) for m in first] == [AuxRecord] and first[0].room == 7 and first[0].kv_pages == 2, first
+
+        fake.send(request(8, [22]))
+        accepted = fake.recv_until(RoomAccepted)
+        assert [(type(m), m.input_ready) for m in accepted] == [(RoomAccepted, False)], accepted
+        client.send(8, [3], num_tokens=page_tokens, slot=client.alloc_slot())
+        later = fake.recv_until(AuxRecord)
+        assert [type(m) for m in later] == [AuxRecord] and later[0].room == 8, later
+    finally:
+        fake.close()
+        client.close()
 
 
 def test_inline_kv_cannot_exceed_the_protocol_bound():
