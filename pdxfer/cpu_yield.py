@@ -22,10 +22,14 @@ back (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20) and only wh
 peers allow it MIN_HEARTBEAT_BOUND seconds of silence; and ``Yielding`` judges each
 WINDOW: if the event loop's thread waited for a core (runnable, not running) over half
 of it while the whole process, the engine's threads included, ran less than half a
-core, other processes hold the cores, and the daemon's threads return to the normal
-policy. (Its own engine threads are what the loop waits behind when the transfer
-keeps the process busy: that is the point of yielding.) They yield again after a calm
-spell that doubles with each return.
+core, other processes hold the cores. (Its own engine threads are what the loop waits
+behind when the transfer keeps the process busy: that is the point of yielding.)
+After STARVED_WINDOWS such windows in a row, each with work for the daemon (a live
+room, an engine call), its threads return to the normal policy. An idle daemon
+loses nothing by waiting (its heartbeats allow for it), and an engine busy filling
+its pools on every core right after registering them (a model loading, the bench's
+set-up) would otherwise cost the transfers after it their yield. The threads yield
+again after a calm spell that doubles with each return.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 WINDOW = 1.0  # seconds over which the daemon judges whether it is starved
 STARVED_WAIT = 0.5  # the loop waited for a core over this share of the window...
 STARVED_OWN_CPU = 0.5  # ...while the process ran less than this many cores' worth of it
+STARVED_WINDOWS = 2  # such windows in a row, each with work, before taking the cores back
 CALM_WAIT = 0.1  # at the normal policy, a window whose loop waited less than this share is calm
 CALM_FIRST, CALM_MAX = 60.0, 3600.0  # seconds of calm before yielding again: the first time, and at most
 MIN_HEARTBEAT_BOUND = 2.0  # seconds of silence peers must allow: ten times a yielding loop's wait behind a busy process
@@ -61,6 +66,7 @@ class Yielding:
     def __init__(self, now: float) -> None:
         self.active = True  # the daemon yields from the start
         self.returns = 0  # times the cores were taken back
+        self._starved = 0  # starved windows with work in a row
         self._calm_since = now
 
     @property
@@ -68,13 +74,17 @@ class Yielding:
         """Seconds of calm after which a daemon that took the cores back yields again."""
         return min(CALM_MAX, CALM_FIRST * 2 ** max(0, self.returns - 1))
 
-    def window(self, span: float, loop_wait: float, own_cpu: float, now: float) -> bool | None:
+    def window(self, span: float, loop_wait: float, own_cpu: float, now: float, working: bool) -> bool | None:
         """Over the last ``span`` seconds the loop waited ``loop_wait`` seconds for a
-        core and the process ran ``own_cpu`` CPU seconds; it is ``now``. Returns False
-        to take the cores back, True to yield them again, None to leave things as they are."""
+        core and the process ran ``own_cpu`` CPU seconds, with work to do or not
+        (``working``); it is ``now``. Returns False to take the cores back, True to
+        yield them again, None to leave things as they are."""
         if self.active:
-            if loop_wait <= STARVED_WAIT * span or own_cpu >= STARVED_OWN_CPU * span:
+            starved = working and loop_wait > STARVED_WAIT * span and own_cpu < STARVED_OWN_CPU * span
+            self._starved = self._starved + 1 if starved else 0
+            if self._starved < STARVED_WINDOWS:
                 return None
+            self._starved = 0
             self.active = False
             self.returns += 1
             self._calm_since = now

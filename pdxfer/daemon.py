@@ -62,6 +62,7 @@ class Daemon:
         self.yielding: cpu_yield.Yielding | None = None  # None: the daemon's threads keep the normal policy
         self.cpu_takebacks = 0
         self._taken_back: list[int] = []  # threads that left SCHED_IDLE, to yield again
+        self._engine_calls_in_window = 0  # work for the daemon that cpu_yield judges starvation by
         self._http: HttpEndpoint | None = None
         self.registry: Registry | None = None
         self._admin: Router | None = None
@@ -133,7 +134,9 @@ class Daemon:
         self.yielding = cpu_yield.Yielding(time.monotonic())
 
     def _cpu_window(self, span: float, loop_wait: float, own_cpu: float) -> None:
-        change = self.yielding.window(span, loop_wait, own_cpu, time.monotonic())
+        working = self._engine_calls_in_window > 0 or any(not room.finished for room in self.service.rooms)
+        self._engine_calls_in_window = 0
+        change = self.yielding.window(span, loop_wait, own_cpu, time.monotonic(), working)
         if change is False:
             self._taken_back = cpu_yield.take_back()
             self.cpu_takebacks += 1
@@ -312,6 +315,7 @@ class Daemon:
         if not 1 <= len(frames) <= MAX_BATCH:
             self._send_engine(identity, Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"an engine message carries 1 to {MAX_BATCH} frames, not {len(frames)}"))
             return
+        self._engine_calls_in_window += len(frames)
         for raw in frames:
             reply = self.service.on_engine(identity, raw)
             if reply is None:
