@@ -328,13 +328,14 @@ def planning_figures(args: argparse.Namespace, report: dict) -> dict:
     rates = [r for r in rates if r]
     best = max(rates) if rates else None
     shapes = {}
+    window = config.load({"role": "prefill"}).peer_window  # the daemons run with their defaults
     for label, w in (("large/medium layout", Workload("plan", 1, 1, args.layers, args.page_size, args.token_bytes, 1, 1)),
                      ("small layout", Workload("plan", 1, 1, args.small_layers, args.small_page_size, args.small_token_bytes, 1, 1))):
-        t = time_planning(w, args.plan_indices, args.seed)
+        t = time_planning(w, args.plan_indices, window, args.seed)
         t["transfer_s"] = t["bytes"] / (best * 1e9) if best else None
         t["plan_share"] = _ratio(t["plan_s"] + t["to_lists_s"], t["transfer_s"])
         shapes[label] = t
-    return {"at_gbps": best, "layouts": shapes}
+    return {"at_gbps": best, "window": window, "layouts": shapes}
 
 
 def _json_default(value):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
-from pdxfer import cpu_yield
+from pdxfer import config, cpu_yield
 from pdxfer.bench import by_repeat, memory_shortfall, planning_figures
 from pdxfer.bench_report import format_report, targets
 from pdxfer.bench_run import RunResult
@@ -95,7 +95,7 @@ def test_planned_rooms_coalesce_as_counted_by_hand(tmp_path):
 
 
 def test_planning_measurement_counts_blocks():
-    t = time_planning(TINY, 1000)
+    t = time_planning(TINY, 1000, window=7)
     assert t["page_indices"] == 1000
     assert t["blocks"] % 4 == 0 and 0.9 * 4000 <= t["blocks"] <= 4000  # scattered: (nearly) a block per page and region
     assert t["bytes"] == 1000 * 4 * 256
@@ -109,6 +109,7 @@ def test_planning_is_compared_with_large_or_medium_rates_only(measured, rate):
     report = {"workloads": {name: {"systems": {"pdxfer": {"median": {"gbps": gbps}}}} for name, gbps in measured.items()}}
     planning = planning_figures(args, report)
     assert planning["at_gbps"] == rate
+    assert planning["window"] == config.load({"role": "prefill"}).peer_window  # converted as the pump submits them
     for t in planning["layouts"].values():
         assert (t["plan_share"] is None) is (rate is None)
 
