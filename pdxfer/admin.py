@@ -83,6 +83,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         "bytes_received": float(service.bytes_received),
         "kv_inline_rooms": float(service.kv_inline_rooms),
         "kv_inline_bytes": float(service.kv_inline_bytes),
+        "cpu_takebacks": float(daemon.cpu_takebacks),
     }
     waiting = not_ready(daemon)
     return InfoReply(

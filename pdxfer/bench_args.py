@@ -33,8 +33,9 @@ whose pools would not fit in shared memory are refused before anything starts
 prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room, CPU seconds per
 GB of the two byte-moving processes (pdxfer: the daemons), their resident memory,
 and the ratio pdxfer/baseline of each (and pdxfer/wire), then pdxfer/baseline GB/s
-in each repeat (its runs are neighbours in time; the spread is the box's noise). A
-progress bar runs on stderr."""
+in each repeat (its runs are neighbours in time; the spread is the box's noise), and
+how many runs' daemons left SCHED_IDLE when other processes starved them (--yield-cpu
+on the daemons). A progress bar runs on stderr."""
 
 
 def size_range(text: str) -> tuple[float, float]:

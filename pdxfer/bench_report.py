@@ -57,6 +57,10 @@ def _workload_table(name: str, wl: dict) -> list[str]:
             f"{api} {_fmt(m['gbps'], '{:.2f}', 0)}, {_fmt(m['rooms_per_s'], '{:.0f}', 0)}, {_fmt(m['p50_ms'], '{:.2f}', 0)}, "
             f"{_fmt(m['p99_ms'], '{:.2f}', 0)}, {_fmt(m['cpu_ms_per_room'], '{:.2f}', 0)}"
             for api, m in wl["baseline_apis"].items()))
+    takebacks = [r["extra"].get("cpu_takebacks", 0) for r in wl["systems"].get("pdxfer", {}).get("runs", [])]
+    if any(takebacks):
+        lines.append(f"  ! pdxfer daemons left SCHED_IDLE (other processes starved them) in {sum(map(bool, takebacks))} of "
+                     f"{len(takebacks)} runs: those runs' rooms moved partly without the yield (--yield-cpu)")
     for s in systems:
         for error in wl["systems"][s]["errors"]:
             lines.append(f"  ! {s}: {error}")

@@ -287,6 +287,8 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         samples["after"] = {role: proc_sample(pid) for role, pid in pids.items() if daemons[role].alive()}
         if daemons["prefill"].alive():
             samples["counters_after"] = daemon_counters(daemons["prefill"].ready["admin"])
+        if daemons["decode"].alive():
+            samples["decode_counters_after"] = daemon_counters(daemons["decode"].ready["admin"])
     finally:
         _reap(sims.values())
         codes = {role: d.stop() for role, d in daemons.items()}
@@ -294,7 +296,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
             d.proc.stdout.close()
         shutil.rmtree(runtime, ignore_errors=True)
     dec, pre = summaries.get("decode"), summaries.get("prefill")
-    if dec is None or pre is None or len(samples.get("after", {})) != 2 or "counters_after" not in samples:
+    if dec is None or pre is None or len(samples.get("after", {})) != 2 or not {"counters_after", "decode_counters_after"} <= samples.keys():
         result.error = f"an engine or daemon died (daemon exit codes {codes}; see the logs)"
         return result
     p, d = _load_timings(timing["prefill"]), _load_timings(timing["decode"])
@@ -307,6 +309,8 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
     result.inline_rooms = int(counters["kv_inline_rooms"] - samples["counters"]["kv_inline_rooms"])
     result.extra.update(blocks_planned=planned, prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
+    # Daemons start afresh for each run: their count covers its set-up, window and check.
+    result.extra["cpu_takebacks"] = int(counters["cpu_takebacks"] + samples["decode_counters_after"]["cpu_takebacks"])
     result.mismatches = dec["mismatches"]
     if result.ok != len(plan.rooms):
         result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"

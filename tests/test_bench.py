@@ -236,6 +236,14 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
     assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
     assert report["box"]["pdxfer_normal_policy_why"] == cpu_yield.unavailable()  # the daemons it started yield where they can
     assert "rooms" in err and "GB/s" in err  # the progress bar, on stderr
+    # What the daemons did, not only what they were set to do: a run whose daemons left
+    # SCHED_IDLE is named under its workload.
+    runs = report["workloads"]["medium"]["systems"]["pdxfer"]["runs"]
+    assert all(isinstance(r["extra"]["cpu_takebacks"], int) for r in runs)
+    starved = "left SCHED_IDLE (other processes starved them) in 1 of 1 runs"
+    assert (starved in format_report(report)) is (runs[0]["extra"]["cpu_takebacks"] > 0)
+    runs[0]["extra"]["cpu_takebacks"] = 2
+    assert starved in format_report(report)
 
 
 @needs_mooncake
