@@ -134,7 +134,7 @@ class Daemon:
         self.yielding = cpu_yield.Yielding(time.monotonic())
 
     def _cpu_window(self, span: float, loop_wait: float, own_cpu: float) -> None:
-        working = self._engine_calls_in_window > 0 or any(not room.finished for room in self.service.rooms)
+        working = self._engine_calls_in_window > 0 or self.service.rooms.live() > 0
         self._engine_calls_in_window = 0
         change = self.yielding.window(span, loop_wait, own_cpu, time.monotonic(), working)
         if change is False:
@@ -239,7 +239,7 @@ class Daemon:
     async def drain(self) -> None:
         """Admit no new rooms; give live ones drain_timeout to finish; fail the rest."""
         self.draining = self.service.draining = True
-        live = lambda: sum(1 for room in self.service.rooms if not room.finished)  # noqa: E731
+        live = self.service.rooms.live
         log.info("draining: %d live rooms, up to %gs", live(), self.config.drain_timeout)
         deadline = time.monotonic() + self.config.drain_timeout
         while live() and time.monotonic() < deadline:

@@ -206,6 +206,10 @@ class RoomTable:
                 out.append(room)
         return out
 
+    def live(self) -> int:
+        """Rooms not finished yet."""
+        return sum(1 for room in self._rooms.values() if not room.finished)
+
     def counts(self) -> dict[RoomState, int]:
         counts = {state: 0 for state in RoomState}
         for room in self._rooms.values():

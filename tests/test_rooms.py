@@ -250,6 +250,7 @@ def test_counts_and_iteration():
         room_in(table, state, room_id=i)
     counts = table.counts()
     assert counts == {B: 1, W: 1, T: 1, S: 1, F: 2}
+    assert table.live() == 3  # bootstrapping, waiting, transferring
     assert sorted(r.id for r in table) == [1, 2, 3, 4, 5, 6]
 
 
