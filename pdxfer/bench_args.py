@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import INLINE_KV_BYTES, TCP_LANES
+from .config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
@@ -20,6 +20,7 @@ each room's KV pages from a prefill pool to a decode pool on loopback:
             network path carries (no protocol, no transfer engine)
   baseline  two raw Mooncake transfer engines in two processes, writing exactly
             the blocks pdxfer plans, with the engine API that is fastest for the case
+            (one engine per process, as engines run them today; --baseline-engines)
   pdxfer    the full path: two daemons and two simulated engines using
             pdxfer.client; a room runs from the engine's send()/expect() (the later
             of the two) until the decode engine sees Success
@@ -69,6 +70,16 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: need positive integers")
     return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,6 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="connections to a peer the transfer engine writes over, for pdxfer (its daemons' --tcp-lanes) and the "
                    "baseline alike (its engines' MC_TCP_LANES_PER_PEER), so both move bytes the same way; 0 leaves the "
                    f"engine's default of 4 (default: {TCP_LANES}, the daemons' default)")
+    g.add_argument("--tcp-engines", type=positive_int, default=TCP_ENGINES, metavar="N",
+                   help="the pdxfer daemons' --tcp-engines: transfer engines per daemon, writes spread over them "
+                   f"(default: {TCP_ENGINES}, the daemons' default)")
+    g.add_argument("--baseline-engines", type=positive_int, default=1, metavar="N",
+                   help="transfer engines in each baseline process, writes spread over them as pdxfer's daemons spread "
+                   "theirs; 1 is a raw engine as engine integrations run it, a value equal to --tcp-engines compares "
+                   "pdxfer with raw engines striped the same way: what pdxfer's own path costs (default: 1)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

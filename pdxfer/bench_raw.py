@@ -7,13 +7,15 @@ checked with the simulated engines' pattern (pdxfer.sim):
   destination pool and waits; ``te-writer`` writes every room's blocks, exactly as
   the prefill daemon plans them, with one of the engine's APIs (``--api``), at most
   ``--in-flight`` rooms and ``--window`` writes in flight. A room is done when its
-  last write completed at the writer.
+  last write completed at the writer. ``--engines N`` gives each process N engines
+  and spreads the writes over them as pdxfer's daemons do (pdxfer.paths.stripes):
+  one engine each is how engines run today, several is pdxfer's way without pdxfer.
 * wire: one TCP stream on loopback. ``wire-send`` sends every block of every room,
   gathered with sendmsg(); ``wire-recv`` scatters them into their destinations with
   recvmsg_into(). This is the most the box's network path carries, with no protocol.
 
     python -m pdxfer.bench_raw te-target --plan FILE
-    python -m pdxfer.bench_raw te-writer --plan FILE --peer HOST:PORT --dst-base ADDR [...]
+    python -m pdxfer.bench_raw te-writer --plan FILE --peer HOST:PORT[,HOST:PORT...] --dst-base ADDR [...]
 
 Each prints JSON lines on stdout: ``ready`` (with what its peer needs), ``progress``
 and one ``summary``. Destinations are checked after the timed window; every room
@@ -36,6 +38,7 @@ import numpy as np
 
 from .bench_plan import Plan
 from .client import KVPool
+from .paths import stripes
 from .sim import Reporter, corrupt_one_byte, fill_pages, pages_match
 
 APIS = ("submit", "submit_spin", "batch_async", "batch_sync")
@@ -98,20 +101,30 @@ def source_pool(plan: Plan) -> KVPool:
     return pool
 
 
-def start_engine():
+def start_engines(count: int) -> list[tuple[object, str]]:
+    """``count`` started engines with their sessions."""
     from mooncake.engine import TransferEngine
 
-    engine = TransferEngine()
-    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise SystemExit(f"transfer engine failed to initialise (code {rc})")
-    return engine, f"127.0.0.1:{engine.get_rpc_port()}"
+    out = []
+    for _ in range(count):
+        engine = TransferEngine()
+        rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise SystemExit(f"transfer engine failed to initialise (code {rc})")
+        out.append((engine, f"127.0.0.1:{engine.get_rpc_port()}"))
+    return out
 
 
-def register(engine, pool: KVPool) -> None:
-    rc = engine.register_memory(pool.memory.address, pool.memory.size)
-    if rc != 0:
-        raise SystemExit(f"transfer engine refused to register {pool.memory.size} bytes (code {rc})")
+def register(engines: list[tuple[object, str]], pool: KVPool) -> None:
+    for engine, _ in engines:
+        rc = engine.register_memory(pool.memory.address, pool.memory.size)
+        if rc != 0:
+            raise SystemExit(f"transfer engine refused to register {pool.memory.size} bytes (code {rc})")
+
+
+def routes(engines: list[tuple[object, str]], peer: list[str]) -> list[tuple[object, str]]:
+    """(our engine, the peer's session) per stripe, taken in turn."""
+    return [(engines[e][0], peer[s]) for e, s in stripes(len(engines), len(peer))]
 
 
 # --- baseline: raw transfer engines
@@ -119,12 +132,12 @@ def register(engine, pool: KVPool) -> None:
 
 def te_target(args) -> int:
     plan = Plan.load(args.plan)
-    engine, session = start_engine()
+    engines = start_engines(args.engines)
     idle = proc_sample()
     pool = KVPool.create(plan.layout)
-    register(engine, pool)
+    register(engines, pool)
     try:
-        emit("ready", session=session, base=pool.memory.address, idle=idle)
+        emit("ready", sessions=[session for _, session in engines], base=pool.memory.address, idle=idle)
         if sys.stdin.readline().strip() != "verify":  # the bench went away
             return 1
         bad = check_rooms(plan, pool, args.corrupt)
@@ -155,14 +168,16 @@ class Tally:
         self.report.emit("progress", done=self.done, bytes=self.bytes, mismatches=0)
 
 
-def write_submit(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally, spin: bool = False) -> int:
-    """One transfer_submit_write per block, transfer_check_status on the oldest write,
-    a sleep when nothing completed (none with ``spin``): short while the window has
-    room, FULL_WINDOW_PAUSE once it is full. Returns the writes submitted."""
-    write, check = engine.transfer_submit_write, engine.transfer_check_status
+def write_submit(ways: list, jobs: list, in_flight: int, window: int, tally: Tally, spin: bool = False) -> int:
+    """One transfer_submit_write per block, the routes in turn, transfer_check_status
+    on the oldest write, a sleep when nothing completed (none with ``spin``): short
+    while the window has room, FULL_WINDOW_PAUSE once it is full. Returns the writes
+    submitted."""
+    calls = [(engine.transfer_submit_write, engine.transfer_check_status, session) for engine, session in ways]
+    turn = 0
     left = [len(j[0]) for j in jobs]
     queue: deque[list[int]] = deque()  # [room, next block] of admitted rooms with blocks to submit
-    writes: deque[tuple[int, int]] = deque()  # (handle, room), oldest first
+    writes: deque[tuple[object, int, int]] = deque()  # (its status call, handle, room), oldest first
     admitted = live = submitted = 0
     pause = 0.0
     while tally.done < len(jobs):
@@ -178,17 +193,19 @@ def write_submit(engine, peer: str, jobs: list, in_flight: int, window: int, tal
             src, dst, length = jobs[room]
             last = min(len(src), first + window - len(writes))
             for b in range(first, last):
-                handle = write(peer, src[b], dst[b], length[b])
+                write, check, session = calls[turn]
+                turn = (turn + 1) % len(calls)
+                handle = write(session, src[b], dst[b], length[b])
                 if handle == 0:
                     raise SystemExit(f"transfer engine refused write {b} of room {room}")
-                writes.append((handle, room))
+                writes.append((check, handle, room))
             submitted += last - first
             entry[1] = last
             if last == len(src):
                 queue.popleft()
             progressed = True
         while writes:
-            handle, room = writes[0]
+            check, handle, room = writes[0]
             status = check(handle)
             if status == 0:
                 break
@@ -208,9 +225,9 @@ def write_submit(engine, peer: str, jobs: list, in_flight: int, window: int, tal
     return submitted
 
 
-def write_submit_spin(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+def write_submit_spin(ways: list, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
     """As write_submit, polling without sleeping: lowest latency, a core busy."""
-    return write_submit(engine, peer, jobs, in_flight, window, tally, spin=True)
+    return write_submit(ways, jobs, in_flight, window, tally, spin=True)
 
 
 def _chunks(job, size: int):
@@ -218,15 +235,15 @@ def _chunks(job, size: int):
     return [(src[a : a + size], dst[a : a + size], length[a : a + size]) for a in range(0, len(src), size)]
 
 
-def write_batch_async(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+def write_batch_async(ways: list, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
     """batch_transfer_async_write per room (in chunks of half the window, so two are
-    in flight), get_batch_transfer_status on the oldest batch (it returns once the
-    batch is done)."""
+    in flight; chunks take the routes in turn), get_batch_transfer_status on the
+    oldest batch (it returns once the batch is done)."""
     size = max(1, window // 2)
     parts = [len(_chunks(j, size)) for j in jobs]
     pending: deque[tuple[int, tuple]] = deque()  # (room, chunk) of admitted rooms, not yet submitted
-    batches: deque[tuple[int, int, int]] = deque()  # (batch id, room, writes)
-    admitted = live = in_writes = submitted = 0
+    batches: deque[tuple[object, int, int, int]] = deque()  # (engine, batch id, room, writes)
+    admitted = live = in_writes = submitted = turn = 0
     while tally.done < len(jobs):
         while admitted < len(jobs) and live < in_flight:
             tally.start(admitted)
@@ -235,13 +252,15 @@ def write_batch_async(engine, peer: str, jobs: list, in_flight: int, window: int
             live += 1
         while pending and (not batches or in_writes + len(pending[0][1][0]) <= window):
             room, (src, dst, length) = pending.popleft()
-            batch = engine.batch_transfer_async_write(peer, src, dst, length)
+            engine, session = ways[turn]
+            turn = (turn + 1) % len(ways)
+            batch = engine.batch_transfer_async_write(session, src, dst, length)
             if batch == 0:
                 raise SystemExit(f"transfer engine refused a batch of room {room}")
-            batches.append((batch, room, len(src)))
+            batches.append((engine, batch, room, len(src)))
             in_writes += len(src)
             submitted += len(src)
-        batch, room, n = batches.popleft()
+        engine, batch, room, n = batches.popleft()
         rc = engine.get_batch_transfer_status([batch])
         if rc != 0:
             raise SystemExit(f"a batch of room {room} failed (code {rc})")
@@ -253,16 +272,17 @@ def write_batch_async(engine, peer: str, jobs: list, in_flight: int, window: int
     return submitted
 
 
-def write_batch_sync(engine, peer: str, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
+def write_batch_sync(ways: list, jobs: list, in_flight: int, window: int, tally: Tally) -> int:
     """batch_transfer_sync_write, one thread per room in flight (at most
-    SYNC_THREADS_MAX); each call returns when its batch is done."""
+    SYNC_THREADS_MAX), the threads taking the routes in turn; each call returns when
+    its batch is done."""
     threads = max(1, min(in_flight, SYNC_THREADS_MAX))
     size = max(1, window // threads)
     lock = threading.Lock()
     order = iter(range(len(jobs)))
     failures: list[str] = []
 
-    def worker() -> None:
+    def worker(engine, session: str) -> None:
         while not failures:
             with lock:
                 room = next(order, None)
@@ -270,14 +290,14 @@ def write_batch_sync(engine, peer: str, jobs: list, in_flight: int, window: int,
                     return
                 tally.start(room)
             for src, dst, length in _chunks(jobs[room], size):
-                rc = engine.batch_transfer_sync_write(peer, src, dst, length)
+                rc = engine.batch_transfer_sync_write(session, src, dst, length)
                 if rc != 0:
                     failures.append(f"a batch of room {room} failed (code {rc})")
                     return
             with lock:
                 tally.end(room)
 
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    pool = [threading.Thread(target=worker, args=ways[i % len(ways)]) for i in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
@@ -292,18 +312,19 @@ WRITERS = {"submit": write_submit, "submit_spin": write_submit_spin, "batch_asyn
 
 def te_writer(args) -> int:
     plan = Plan.load(args.plan)
-    engine, _ = start_engine()
+    engines = start_engines(args.engines)
     idle = proc_sample()
     pool = source_pool(plan)
     try:
-        register(engine, pool)
+        register(engines, pool)
         jobs = [(b.src.tolist(), b.dst.tolist(), b.length.tolist()) for b in plan.blocks(pool.memory.address, args.dst_base)]
         emit("ready", idle=idle)
         if sys.stdin.readline().strip() != "go":
             return 1
         before = proc_sample()
         tally = Tally(plan)
-        submitted = WRITERS[args.api](engine, args.peer, jobs, args.in_flight, args.window, tally)
+        ways = routes(engines, args.peer.split(","))
+        submitted = WRITERS[args.api](ways, jobs, args.in_flight, args.window, tally)
         after = proc_sample()
     finally:
         pool.close()
@@ -409,10 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("--plan", required=True, metavar="FILE", help="plan file written by pdxfer.bench_plan")
         s.add_argument("--timings", default="", metavar="FILE", help="write each room's start and end times here (.npz)")
+        if name in ("te-target", "te-writer"):
+            s.add_argument("--engines", type=int, default=1, help="transfer engines in this process, writes spread over them (default: 1)")
         if name in ("te-target", "wire-recv"):
             s.add_argument("--corrupt", action="store_true", help="flip one destination byte before the check (testing aid)")
         if name == "te-writer":
-            s.add_argument("--peer", required=True, help="te-target's transfer engine session, host:port")
+            s.add_argument("--peer", required=True, help="te-target's transfer engine sessions, host:port[,host:port...]")
             s.add_argument("--dst-base", type=int, required=True, help="address of te-target's destination pool")
             s.add_argument("--api", choices=APIS, default="submit", help="transfer engine API to write with")
             s.add_argument("--in-flight", type=int, default=1, help="rooms in flight")

@@ -27,7 +27,7 @@ import numpy as np
 
 from .bench_plan import Plan, block_counts
 from .bench_raw import proc_sample
-from .config import TCP_LANES
+from .config import TCP_ENGINES, TCP_LANES
 from .inspection import daemon_counters
 from .launch import LaunchError, read_events, sim_argv, start_daemon
 from .paths import engine_env
@@ -45,6 +45,8 @@ class RunOptions:
     corrupt: bool = False  # flip a destination byte before the check (testing aid)
     inline_kv_bytes: int | None = None  # the pdxfer daemons' --inline-kv-bytes (None: their default)
     tcp_lanes: int = TCP_LANES  # pdxfer's --tcp-lanes and the baseline engines' MC_TCP_LANES_PER_PEER (0: the engine's default)
+    tcp_engines: int = TCP_ENGINES  # pdxfer daemons' --tcp-engines
+    baseline_engines: int = 1  # transfer engines in each baseline process
 
 
 @dataclass
@@ -200,10 +202,11 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
     procs: dict[str, subprocess.Popen] = {}
     lanes = engine_env("tcp", opts.tcp_lanes, os.environ)  # the lanes pdxfer's engines get
     try:
-        procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *corrupt), _log(opts.workdir, "te-target"), lanes)
+        engines = ("--engines", str(opts.baseline_engines))
+        procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *engines, *corrupt), _log(opts.workdir, "te-target"), lanes)
         ready = _await_event(target, "ready", opts.timeout)
         procs["writer"] = writer = _spawn(
-            raw_argv("te-writer", "--plan", plan_path, "--peer", ready["session"], "--dst-base", str(ready["base"]),
+            raw_argv("te-writer", "--plan", plan_path, *engines, "--peer", ",".join(ready["sessions"]), "--dst-base", str(ready["base"]),
                      "--api", opts.api, "--in-flight", str(plan.workload.in_flight), "--window", str(opts.window),
                      "--timings", timings),
             _log(opts.workdir, "te-writer"), lanes,
@@ -231,7 +234,8 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
 
 
 def _start_daemons(runtime: str, opts: RunOptions) -> dict:
-    flags = ["--log-level", "warning", "--aux-path", opts.aux_path, "--tcp-lanes", str(opts.tcp_lanes)]
+    flags = ["--log-level", "warning", "--aux-path", opts.aux_path, "--tcp-lanes", str(opts.tcp_lanes),
+             "--tcp-engines", str(opts.tcp_engines)]
     if opts.inline_kv_bytes is not None:
         flags += ["--inline-kv-bytes", str(opts.inline_kv_bytes)]
     logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}

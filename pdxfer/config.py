@@ -13,12 +13,13 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from .paths import MAX_TCP_LANES
+from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
 ENV_PREFIX = "PDXFER_"
 INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
 TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
+TCP_ENGINES = 2  # default of tcp_engines (pdxfer bench reports what its baseline runs)
 
 Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
 AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
@@ -77,6 +78,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
              "waiting for the destination's acknowledgement (sets the engine's MC_TCP_LANES_PER_PEER; 0: the engine's "
              "default of 4)", ge=0, le=MAX_TCP_LANES),
     ] = TCP_LANES
+    tcp_engines: Annotated[
+        int,
+        _doc("tcp: transfer engines this daemon runs, each moving bytes on one thread of its own (what bounds one "
+             "engine); a prefill spreads every peer's writes over its engines and the decode daemon's, in turn. Other "
+             "protocols run one engine, whose transport has worker threads of its own", ge=1, le=MAX_TCP_ENGINES),
+    ] = TCP_ENGINES
     yield_cpu: Annotated[
         bool,
         _doc("once the transfer engine has started, run this daemon's own threads (event loop, pump, ZMQ) under SCHED_IDLE "

@@ -31,8 +31,8 @@ from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
 from .protocol import UNDECODABLE, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
-from .pump import TransferPump
-from .transport import PROBE_BYTES, Transport
+from .pump import TransferPump, label
+from .transport import PROBE_BYTES, Peer, Transport, primary
 from .peer_channel import PeerLink, PeerServer
 from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 
@@ -52,7 +52,7 @@ class Daemon:
         self.pump: TransferPump | None = None
         self.engine_endpoint = ""
         self.bootstrap_address = ""
-        self.session = ""
+        self.sessions: Peer = ()  # our transfer engines' sessions
         self.task_failures = 0
         self.started = time.monotonic()
         self.draining = False
@@ -75,6 +75,10 @@ class Daemon:
         self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
 
+    @property
+    def session(self) -> str:
+        return primary(self.sessions)
+
     # --- lifecycle
 
     async def start(self) -> None:
@@ -88,7 +92,7 @@ class Daemon:
             elif step == "init_transport":
                 if self.transport is None:
                     self.transport = make_transport(cfg)
-                self.session = await loop.run_in_executor(None, self.transport.start)
+                self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
                 self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes)
@@ -119,8 +123,8 @@ class Daemon:
         if cfg.registry:
             await self._join_registry()
         log.info(
-            "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer session %s (%s), incarnation %s",
-            cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", self.session, cfg.protocol, self.incarnation,
+            "pdxfer %s daemon %s ready: engine %s, bootstrap %s, transfer sessions %s (%s), incarnation %s",
+            cfg.role.value, cfg.instance, self.engine_endpoint, self.bootstrap_address or "-", label(self.sessions), cfg.protocol, self.incarnation,
         )
 
     def _yield_cpu(self) -> None:
@@ -183,7 +187,7 @@ class Daemon:
             service.engine_release = installed_release()
             service.probe_base = self.transport.scratch + PROBE_BYTES
             service.later = loop.call_later
-        service.session = self.session
+        service.sessions = self.sessions
         service.bootstrap_address = self.bootstrap_address
         service.send_engine = self._send_engine
         service.release_mapping = self._release_mapping
@@ -201,6 +205,7 @@ class Daemon:
                 "http_port": self.http_port,
                 "bootstrap": self.bootstrap_address,
                 "session": self.session,
+                "sessions": list(self.sessions),
                 "incarnation": self.incarnation,
                 "pid": os.getpid(),
             }
@@ -419,8 +424,8 @@ class Daemon:
             self.service.count_failure("task:one-shot")
             log.error("background step failed: %r", task.exception())
 
-    def _transport_reset(self, session: str) -> None:
-        self.session = self.service.session = session
+    def _transport_reset(self, sessions: Peer) -> None:
+        self.sessions = self.service.sessions = sessions
 
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
@@ -489,7 +494,8 @@ def make_transport(cfg: Config) -> Transport:
     if lanes and os.environ.get(paths.TCP_LANES_ENV, lanes) != lanes:
         log.warning("tcp_lanes %s overrides %s=%s from the environment (tcp_lanes 0 keeps the environment's)",
                     lanes, paths.TCP_LANES_ENV, os.environ[paths.TCP_LANES_ENV])
-    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata, engine_env)
+    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata, engine_env,
+                                  paths.engine_count(cfg.protocol, cfg.tcp_engines))
     if not cfg.inject_faults:
         return transport
     from .transport.faults import FaultInjectingTransport, FaultSpec

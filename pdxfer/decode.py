@@ -67,6 +67,7 @@ from .rooms import Event, Room
 from .service import RoomService
 from .slots import SlotState
 from .stamp import HEADER_BYTES, Stamp, verify
+from .transport import primary
 
 log = logging.getLogger("pdxfer.decode")
 
@@ -213,7 +214,8 @@ class DecodeService(RoomService):
         return PeerHello(
             version=PROTOCOL_VERSION,
             incarnation=self.incarnation,
-            session=self.session,
+            session=primary(self.sessions),
+            sessions=self.sessions,
             compat=ours,
             compat_hash=compat_hash(ours),
             region_bases=kv.bases,

@@ -36,6 +36,7 @@ POOL_KINDS = {
 TCP_LANES_ENV = "MC_TCP_LANES_PER_PEER"  # connections per peer, each carrying one write at a time
 TCP_LEGACY_PROTO_ENV = "MC_TCP_PROTO"  # "1": unacknowledged writes
 MAX_TCP_LANES = 16  # the engine's own limit
+MAX_TCP_ENGINES = 8
 # The engine's first release whose tcp writes complete only once the destination
 # acknowledged them; the writer speaks that framing only to a target that does too.
 ACKED_TCP_SINCE = (0, 3, 12)
@@ -92,6 +93,25 @@ def engine_env(protocol: str, lanes: int, env: Mapping[str, str]) -> dict[str, s
     so on a busy host more lanes keep the wire full."""
     check_tcp_framing(protocol, env)
     return {TCP_LANES_ENV: str(lanes)} if lanes and protocol == "tcp" else {}
+
+
+def engine_count(protocol: str, tcp_engines: int) -> int:
+    """Transfer engines a daemon runs. Over tcp each engine moves every byte on one
+    thread of its own, which bounds what one engine carries (two raw engine pairs on
+    this project's 2-core box moved ~1.25x the bytes of one), so a daemon runs
+    ``tcp_engines`` and spreads writes over them. The other protocols' transports
+    have worker threads of their own, and registering memory with several engines
+    would pin it several times: one engine."""
+    return max(1, tcp_engines) if protocol == "tcp" else 1
+
+
+def stripes(engines: int, sessions: int) -> list[tuple[int, int]]:
+    """How writes to a peer spread: (our engine, the peer's session) pairs, taken in
+    turn, one write each. Every engine and every session of the peer is used, and
+    equal counts pair engine i with session i, one thread at each end per pair."""
+    if engines < 1 or sessions < 1:
+        raise ValueError(f"stripes need an engine and a peer session (have {engines} and {sessions})")
+    return [(j % engines, j % sessions) for j in range(max(engines, sessions))]
 
 
 def release_numbers(version: str) -> tuple[int, ...] | None:

@@ -64,6 +64,7 @@ from .protocol import (
 )
 from .pools import compat
 from .pump import Job
+from .transport import Peer, primary
 from .rooms import Event, Room
 from .service import RoomService
 from .stamp import HEADER_BYTES, stamp_for
@@ -88,6 +89,11 @@ class DecodePeer:
     @property
     def label(self) -> str:
         return self.hello.session
+
+    @property
+    def sessions(self) -> Peer:
+        """Where its KV is written: every session it announced, or the one (a daemon before striping)."""
+        return self.hello.sessions or (self.hello.session,)
 
 
 @dataclass(eq=False)
@@ -243,7 +249,7 @@ class PrefillService(RoomService):
             old, peer.hello = peer.hello, hello
             if hello.memory_version != old.memory_version:
                 self._peer_relocated(peer, old.memory_version)
-        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=self.session, clock=self.clock()))
+        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
 
     def _peer_relocated(self, peer: DecodePeer, old_version: int) -> None:
         """C3: rooms whose blocks were planned against the old destination fail."""
@@ -326,7 +332,7 @@ class PrefillService(RoomService):
             return
         self.send_peer(w.peer, announce)
         w.lease_end = min(now + self._lease(req), leave)
-        w.job = Job(room.id, dst_hello.session, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
+        w.job = Job(room.id, peer.sessions, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
         self.pump.submit(w.job)
 
     def _lease(self, req: RoomRequest) -> float:
@@ -365,7 +371,7 @@ class PrefillService(RoomService):
         aux.write_header(room.slot, stamp)
         dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
         blocks = Blocks.of([aux.slot_address(room.slot)], [dst], [HEADER_BYTES + len(payload)])
-        w.job = Job(room.id, peer.hello.session, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+        w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.pump.submit(w.job)
 
     def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:

@@ -37,6 +37,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 Address = Annotated[int, msgspec.Meta(ge=0, description="uint64 address")]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Sessions = Annotated[tuple[Text, ...], msgspec.Meta(max_length=16, description="transfer engine sessions (host:port), one per engine")]
 # int32 little-endian page indices; 4 bytes each.
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024 * 1024)]
 AuxPayload = Annotated[bytes, msgspec.Meta(max_length=16 * 1024 * 1024)]
@@ -336,7 +337,7 @@ class PeerHello(Message, tag="peer_hello"):
 
     version: int
     incarnation: str
-    session: str  # transfer engine session id ("host:port")
+    session: str  # transfer engine session id ("host:port"): its first engine's
     compat: Compat
     compat_hash: str
     region_bases: tuple[Address, ...]  # one per layout region, in this daemon's address space
@@ -349,6 +350,10 @@ class PeerHello(Message, tag="peer_hello"):
     verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
     inline_kv_bytes: Count = 0  # the most KV this side takes inside an aux record (0: none; its pool is not host memory)
     engine_release: str = ""  # version of this side's transfer engine package ("": unknown)
+    # Every transfer engine session of this daemon, ``session`` first: a prefill spreads
+    # its writes over them (empty: ``session`` alone; a prefill that ignores them writes
+    # through ``session``, which accepts writes to all of this daemon's memory too).
+    sessions: Sessions = ()
 
 
 class PeerWelcome(Message, tag="peer_welcome"):

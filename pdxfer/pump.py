@@ -35,7 +35,7 @@ from typing import Callable
 
 from .cpu_yield import normal_policy
 from .plan import Blocks
-from .transport import Status, Transport
+from .transport import Peer, Status, Transport
 
 log = logging.getLogger("pdxfer.pump")
 
@@ -56,7 +56,7 @@ STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (bi
 @dataclass(eq=False)
 class Job:
     id: int
-    peer: str
+    peer: Peer  # the decode daemon's transfer sessions
     blocks: Blocks
     on_done: Callable[["Job"], None]  # runs on the event loop
     deadline: float = 0.0  # monotonic time after which no block of it is submitted (its lease); 0: none
@@ -97,7 +97,7 @@ class TransferPump:
         self.window = window
         self.loop = loop
         self.stall_timeout = stall_timeout
-        self.on_reset: Callable[[str], None] = lambda session: None  # runs on the event loop
+        self.on_reset: Callable[[Peer], None] = lambda sessions: None  # runs on the event loop
         self.blocks_submitted = 0
         self.bytes_done = 0
         self.failed_writes = 0
@@ -110,7 +110,7 @@ class TransferPump:
         self._peers: dict[str, _Peer] = {}
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
         self._cancels = False  # a job was cancelled since the last round
-        self._reset_wanted = ""  # the peer whose probe failed, until the transport is reset
+        self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
 
     def start(self) -> None:
         # At the normal policy even in a daemon that yields the cores (cpu_yield.py):
@@ -188,25 +188,25 @@ class TransferPump:
             self._cancels = False
             progressed |= self._drop_cancelled()
         now = time.monotonic()
-        for peer_name, peer in self._peers.items():
+        for sessions, peer in self._peers.items():
             progressed |= self._drain(peer)
             if peer.in_flight and self._is_stalled(peer, now) and not self._reset_wanted:
-                self._stalled(peer_name, peer)
+                self._stalled(sessions, peer)
                 progressed = True
             # Checked only with jobs waiting for it: a peer whose rooms all ended (a
             # decode daemon that died) would cost a failed probe, then a reset that
             # pauses every peer and leaves one more retired engine.
             if peer.suspect and peer.jobs and not peer.in_flight and not self._reset_wanted:
-                self._check(peer_name, peer)
+                self._check(sessions, peer)
                 progressed = True
             if not peer.suspect and not self._reset_wanted:
-                progressed |= self._fill(peer_name, peer)
+                progressed |= self._fill(sessions, peer)
         if self._reset_wanted and not any(p.in_flight for p in self._peers.values()):
             self._reset()
             progressed = True
         return progressed
 
-    def _fill(self, peer_name: str, peer: _Peer) -> bool:
+    def _fill(self, sessions: Peer, peer: _Peer) -> bool:
         progressed = False
         now = time.monotonic()
         while peer.jobs and len(peer.in_flight) < peer.window and not peer.suspect:
@@ -232,11 +232,11 @@ class TransferPump:
                 job.next = end
             if not peer.in_flight:
                 peer.progress_at = now
-            handles = self.transport.submit(peer_name, src, dst, length)
+            handles = self.transport.submit(sessions, src, dst, length)
             self.blocks_submitted += len(indices)
             for index, handle, nbytes in zip(indices, handles, length):
                 if handle == 0:
-                    self._write_failed(peer_name, peer, job, index, "refused")
+                    self._write_failed(sessions, peer, job, index, "refused")
                 else:
                     peer.in_flight.append((handle, job, index, nbytes))
                     job.in_flight += 1
@@ -267,7 +267,7 @@ class TransferPump:
             peer.progress_at = time.monotonic()
         return progressed
 
-    def _write_failed(self, peer_name: str, peer: _Peer, job: Job, index: int, how: str) -> None:
+    def _write_failed(self, sessions: Peer, peer: _Peer, job: Job, index: int, how: str) -> None:
         """A block was refused or failed: write it again if the job's budget allows
         (nothing was or will be written twice to another place), else fail the job."""
         self.failed_writes += 1
@@ -275,7 +275,7 @@ class TransferPump:
         if first:
             peer.window = max(1, peer.window // 2)
             peer.credit = 0
-            log.warning("a write to %s %s: window down to %d, probing the session once writes drain", peer_name, how, peer.window)
+            log.warning("a write to %s %s: window down to %d, probing the session once writes drain", label(sessions), how, peer.window)
         peer.suspect = True
         if job.error or job.cancelled:
             return
@@ -286,7 +286,7 @@ class TransferPump:
                 peer.jobs.appendleft(job)
                 job.queued = True
             return
-        job.error = f"transfer engine {how} block {index} to {peer_name}, {job.retries} blocks already written again"
+        job.error = f"transfer engine {how} block {index} to {label(sessions)}, {job.retries} blocks already written again"
 
     def _stall_allowance(self, peer: _Peer) -> float:
         nbytes = peer.in_flight[0][3]
@@ -296,38 +296,38 @@ class TransferPump:
         idle = now - peer.progress_at
         return idle > self.stall_timeout and idle > self._stall_allowance(peer)  # the cheap test first: this runs every round
 
-    def _stalled(self, peer_name: str, peer: _Peer) -> None:
+    def _stalled(self, sessions: Peer, peer: _Peer) -> None:
         """No write to the peer completed for stall_timeout: give up on those in flight
         and re-create the transport. Jobs still queued go on after the reset."""
         self.stalls += 1
-        reason = f"transfer session to {peer_name} stalled: none of {len(peer.in_flight)} writes completed in {self._stall_allowance(peer):.3g}s"
+        reason = f"transfer session to {label(sessions)} stalled: none of {len(peer.in_flight)} writes completed in {self._stall_allowance(peer):.3g}s"
         log.warning("%s; failing the jobs they belong to and re-creating the transport", reason)
         self._abandon({id(j): j for _, j, _, _ in peer.in_flight}.values(), reason)
         peer.in_flight.clear()
         peer.jobs = deque(job for job in peer.jobs if not job.abandoned)
         peer.suspect = True
-        self._reset_wanted = peer_name
+        self._reset_wanted = sessions
 
-    def _check(self, peer_name: str, peer: _Peer) -> None:
+    def _check(self, sessions: Peer, peer: _Peer) -> None:
         """A suspect peer with nothing in flight: is its session still usable?"""
-        if not peer.probe or self.transport.probe(peer_name, peer.probe):
+        if not peer.probe or self.transport.probe(sessions, peer.probe):
             peer.suspect = False
             return
-        log.warning("probe of the transfer session to %s failed; re-creating the transport", peer_name)
-        self._reset_wanted = peer_name
+        log.warning("probe of the transfer session to %s failed; re-creating the transport", label(sessions))
+        self._reset_wanted = sessions
 
     def _reset(self) -> None:
-        peer_name, self._reset_wanted = self._reset_wanted, ""
-        session = self.transport.reset()
+        sessions, self._reset_wanted = self._reset_wanted, ()
+        renewed = self.transport.reset()
         self.resets += 1
-        self.loop.call_soon_threadsafe(self.on_reset, session)
-        peer = self._peers[peer_name]
-        if self.transport.probe(peer_name, peer.probe):
+        self.loop.call_soon_threadsafe(self.on_reset, renewed)
+        peer = self._peers[sessions]
+        if self.transport.probe(sessions, peer.probe):
             peer.suspect = False
             peer.window = self.window
-            log.warning("transfer session to %s works again after the reset", peer_name)
+            log.warning("transfer session to %s works again after the reset", label(sessions))
             return
-        reason = f"transfer session to {peer_name} is broken: a probe failed even after re-creating the transport"
+        reason = f"transfer session to {label(sessions)} is broken: a probe failed even after re-creating the transport"
         log.error("%s; failing its queued jobs", reason)
         for job in peer.jobs:
             job.error = job.error or reason
@@ -378,6 +378,11 @@ class TransferPump:
             job.in_flight = 0
             job.queued = False
             self._finished.append(job)
+
+
+def label(sessions: Peer) -> str:
+    """A peer's sessions as logs and errors name them."""
+    return ",".join(sessions)
 
 
 def _deliver(jobs: list[Job]) -> None:

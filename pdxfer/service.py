@@ -52,6 +52,7 @@ from .protocol import (
 )
 from .rooms import Event, Room, RoomTable, Timeouts
 from .slots import SlotState
+from .transport import Peer
 
 log = logging.getLogger("pdxfer.service")
 
@@ -92,7 +93,7 @@ class RoomService:
         self.retired: list[tuple[float, object]] = []
         self.release_mapping: Callable[[object], None] = lambda mapping: mapping.close()
         self.finished: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # released rooms: (state, code, reason)
-        self.session = ""  # transfer engine session id, set by the daemon
+        self.sessions: Peer = ()  # our transfer engines' sessions, set by the daemon
         self.bootstrap_address = ""
         self.failures: collections.Counter[str] = collections.Counter()
         self.send_engine: Callable[[bytes, Message], None] = lambda identity, message: None

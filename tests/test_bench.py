@@ -258,6 +258,21 @@ def test_bench_with_inline_kv_off_writes_the_baselines_blocks():
 
 @needs_mooncake
 @pytest.mark.integration
+def test_a_baseline_with_several_engines_moves_every_block_with_every_api():
+    """--baseline-engines: raw engines spreading their writes as pdxfer's daemons do,
+    to compare pdxfer with that; every API, every byte checked."""
+    code, report, err = bench("--workloads", "medium", "--systems", "baseline,pdxfer", "--baseline-api", "all",
+                              "--baseline-engines", "2", "--tcp-engines", "3")
+    assert code == 0, err
+    wl = report["workloads"]["medium"]
+    assert set(wl["baseline_apis"]) == {"submit", "submit_spin", "batch_async", "batch_sync"}
+    assert all(median["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"]) for median in wl["baseline_apis"].values())
+    assert wl["systems"]["baseline"]["mismatches"] == 0 and wl["systems"]["pdxfer"]["mismatches"] == 0
+    assert "transfer engines per process: baseline 2, pdxfer daemons 3" in format_report(report)
+
+
+@needs_mooncake
+@pytest.mark.integration
 def test_bench_catches_a_corrupted_byte_in_every_system():
     code, report, err = bench("--workloads", "small", "--corrupt", "wire,baseline,pdxfer")
     assert code == 1

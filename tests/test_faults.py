@@ -154,7 +154,7 @@ def test_engines_replaced_by_resets_are_kept_to_a_bound_and_writes_go_on():
         for _ in range(3):
             writer.reset()
         assert threads() <= at_bound, "replaced engines beyond the bound were kept"
-        (handle,) = writer.submit(target.session, [int(src.ctypes.data)], [int(dst.ctypes.data)], [src.nbytes])
+        (handle,) = writer.submit(target.sessions, [int(src.ctypes.data)], [int(dst.ctypes.data)], [src.nbytes])
         assert settle(writer, handle, 10) is Status.DONE and (dst == src).all()
     finally:
         writer.close()
@@ -171,7 +171,7 @@ def test_broken_session_is_probed_and_the_engine_recreated(daemons):
     print(report.line())
     assert report.corruptions == 0 and report.decode == {"success": 60}, report.line()
     log = open(prefill.log_path).read()
-    assert "probe of the transfer session" in log and "transfer engine re-created" in log
+    assert "probe of the transfer session" in log and "transfer engines re-created" in log
     assert "works again after the reset" in log
     assert injected(prefill)["broken"] > 0
 

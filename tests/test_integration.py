@@ -3,6 +3,8 @@ transfer engine over TCP on loopback, every destination byte checked."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,47 @@ def test_thousand_rooms_32_in_flight_every_byte_verified(pair):
     assert dec["outcome"] == {"success": 1000}, dec["outcome"]
     assert pre["outcome"] == {"success": 1000}, pre["outcome"]
     assert dec["bytes"] > 0
+
+
+@pytest.mark.parametrize("prefill_engines, decode_engines", [(2, 2), (1, 3), (3, 1)])
+def test_writes_spread_over_the_engines_of_both_daemons(daemons, prefill_engines, decode_engines):
+    """Each daemon announces one session per transfer engine; a prefill writes over its
+    engines and the decode daemon's (paths.stripes), whatever the two counts."""
+    prefill = daemons("prefill", "--tcp-engines", str(prefill_engines), "--inline-kv-bytes", "0")
+    decode = daemons("decode", "--tcp-engines", str(decode_engines), "--inline-kv-bytes", "0")
+    for daemon, count in ((prefill, prefill_engines), (decode, decode_engines)):
+        sessions = daemon.ready["sessions"]
+        assert len(set(sessions)) == count and sessions[0] == daemon.ready["session"], daemon.ready
+    pre, dec = run_sims(prefill, decode, 64, 16, "--seed", "3")
+    assert dec["mismatches"] == 0
+    assert dec["outcome"] == {"success": 64} and pre["outcome"] == {"success": 64}, (pre["outcome"], dec["outcome"])
+    # Every decode engine received: each has a data port of its own with lanes accepted on it.
+    handshake = {int(s.rsplit(":", 1)[1]) for s in decode.ready["sessions"]}
+    receiving = accepting_ports(decode.pid) - handshake
+    assert len(receiving) == decode_engines, (receiving, handshake)
+
+
+def accepting_ports(pid: int) -> set[int]:
+    """Ports a process listens on that hold established connections (accepted ones)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:[") : -1])
+    listening, established = set(), set()
+    for table in ("tcp", "tcp6"):  # the engine listens on IPv6's any address
+        with open(f"/proc/{pid}/net/{table}") as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if fields[3] == "0A" and fields[9] in sockets:  # LISTEN, ours
+                    listening.add(port)
+                elif fields[3] == "01":  # ESTABLISHED
+                    established.add(port)
+    return listening & established
 
 
 @pytest.mark.parametrize("aux_path, inline", [("tcp", "0"), ("tcp", "65536"), ("transfer_engine", "0")])

@@ -11,7 +11,7 @@ from pdxfer import errors
 from pdxfer.config import AuxPathChoice, Protocol
 from pdxfer.paths import (
     ENGINE_PROTOCOL, MAX_TCP_LANES, POOL_KINDS, TCP_LANES_ENV, TCP_LEGACY_PROTO_ENV, AuxPath, check_engine_release, check_pool,
-    choose_aux_path, engine_env, release_numbers, startup_steps,
+    choose_aux_path, engine_count, engine_env, release_numbers, startup_steps, stripes,
 )
 
 PROTOCOLS = typing.get_args(Protocol)
@@ -149,3 +149,31 @@ def test_engines_from_before_acknowledged_tcp_writes_are_refused_over_tcp():
     for protocol in PROTOCOLS:
         if protocol != "tcp":
             check_engine_release(protocol, "0.3.5", "this daemon's")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_only_tcp_runs_several_engines(protocol):
+    assert engine_count(protocol, 3) == (3 if protocol == "tcp" else 1)
+    assert engine_count(protocol, 1) == 1
+
+
+@pytest.mark.parametrize(
+    ("engines", "sessions", "expected"),
+    [
+        (1, 1, [(0, 0)]),
+        (2, 2, [(0, 0), (1, 1)]),  # pairs: one thread at each end
+        (1, 3, [(0, 0), (0, 1), (0, 2)]),  # a one-engine writer still reaches every session
+        (3, 1, [(0, 0), (1, 0), (2, 0)]),  # an old or one-engine peer still gets every engine's writes
+        (2, 3, [(0, 0), (1, 1), (0, 2)]),
+    ],
+)
+def test_stripes_use_every_engine_and_every_peer_session(engines, sessions, expected):
+    got = stripes(engines, sessions)
+    assert got == expected
+    assert {e for e, _ in got} == set(range(engines)) and {s for _, s in got} == set(range(sessions))
+
+
+@pytest.mark.parametrize(("engines", "sessions"), [(0, 1), (1, 0)])
+def test_stripes_need_an_engine_and_a_session(engines, sessions):
+    with pytest.raises(ValueError, match="stripes need"):
+        stripes(engines, sessions)

@@ -103,6 +103,7 @@ SAMPLES: dict[type, list[p.Message]] = {
             name="10.0.0.2/decode-7",
             probe_base=0x7D00_0000_0040,
             verify_kv=True,
+            sessions=("10.0.0.2:12345", "10.0.0.2:12346"),
         )
     ],
     p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1", clock=5123.25)],
@@ -277,3 +278,17 @@ def test_an_error_reply_raises_with_its_own_code(code):
     assert caught.value.code is code and caught.value.room == 7 and str(caught.value) == "why"
     dedicated = [cls for cls in errors.PdxferError.__subclasses__() if cls.code is code and cls is not errors.Busy]
     assert type(caught.value) is (dedicated[0] if dedicated else errors.PdxferError)
+
+
+def test_a_hello_without_sessions_still_decodes(codec):
+    """A decode daemon from before several engines per daemon sends no sessions: the
+    prefill then writes through its one session (prefill.DecodePeer.sessions)."""
+    hello = SAMPLES[p.PeerHello][0]
+    raw = msgspec.msgpack.encode({k: v for k, v in msgspec.to_builtins(hello).items() if k != "sessions"})
+    assert codec.peer_messages.decode(raw).sessions == ()
+
+
+def test_a_hello_with_too_many_sessions_is_refused(codec):
+    hello = msgspec.structs.replace(SAMPLES[p.PeerHello][0], sessions=tuple(f"10.0.0.2:{port}" for port in range(17)))
+    with pytest.raises(msgspec.ValidationError, match="sessions"):
+        codec.peer_messages.decode(codec.encode(hello))

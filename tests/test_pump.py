@@ -19,8 +19,8 @@ from collections import defaultdict
 import pytest
 
 from pdxfer.plan import Blocks
-from pdxfer.pump import RETRY_BUDGET, Job, TransferPump
-from pdxfer.transport import Status
+from pdxfer.pump import RETRY_BUDGET, Job, TransferPump, label
+from pdxfer.transport import Peer, Status
 
 WAIT = 5.0  # generous upper bound for the pump thread to act; never a speed assertion
 
@@ -61,8 +61,8 @@ class FakeTransport:
 
     # --- Transport
 
-    def start(self) -> str:
-        return "fake:0"
+    def start(self) -> Peer:
+        return ("fake:0",)
 
     def register(self, address: int, length: int) -> None:
         pass
@@ -73,19 +73,21 @@ class FakeTransport:
     def close(self) -> None:
         pass
 
-    def probe(self, peer: str, dst: int) -> bool:
+    def probe(self, sessions: Peer, dst: int) -> bool:
+        peer = label(sessions)  # the fake's peers have one session each, and are named by it
         self.probes.append(peer)
         return peer not in self.dead
 
-    def reset(self) -> str:
+    def reset(self) -> Peer:
         """A new engine: writes held by the old one are out of the pump's hands."""
         with self.lock:
             self.resets += 1
             self.handles.clear()
             self.in_flight.clear()
-            return f"fake:{self.resets}"
+            return (f"fake:{self.resets}",)
 
-    def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
+    def submit(self, sessions: Peer, src: list[int], dst: list[int], length: list[int]) -> list[int]:
+        peer = label(sessions)
         with self.lock:
             if not (len(src) == len(dst) == len(length)) or not src:
                 self._violation(f"bad batch {src} {dst} {length}")
@@ -204,7 +206,7 @@ class Harness:
             if not future.done():
                 future.set_result(job)
 
-        return Job(job_id, peer, blocks, on_done), future
+        return Job(job_id, (peer,), blocks, on_done), future
 
     def srcs(self, job: Job) -> list[int]:
         return job.blocks.src.tolist()

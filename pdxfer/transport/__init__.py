@@ -14,6 +14,15 @@ from typing import Protocol
 
 PROBE_BYTES = 64
 
+# A peer as the transports address it: the sessions of its transfer engines, the
+# first of them the one it announces alone (protocol.PeerHello.session).
+Peer = tuple[str, ...]
+
+
+def primary(sessions: Peer) -> str:
+    """The one session a peer is announced and named by: its first engine's ("" before it started)."""
+    return sessions[0] if sessions else ""
+
 
 class Status(enum.IntEnum):
     PENDING = 0
@@ -24,26 +33,27 @@ class Status(enum.IntEnum):
 class Transport(Protocol):
     scratch: int  # address of a small registered buffer: probes are written from [0, 64) into a peer's [64, 128)
 
-    def start(self) -> str:
-        """Initialise; return the session id peers use to address this transport."""
+    def start(self) -> Peer:
+        """Initialise; return the session ids peers address this transport by, one per engine."""
 
     def register(self, address: int, length: int) -> None:
         """Make [address, address+length) a valid source or destination."""
 
     def unregister(self, address: int) -> None: ...
 
-    def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
-        """Start writing each block src[i] -> peer's dst[i]; one handle per block, 0
-        for a block the transport refused at once."""
+    def submit(self, peer: Peer, src: list[int], dst: list[int], length: list[int]) -> list[int]:
+        """Start writing each block src[i] -> peer's dst[i], spread over the peer's
+        sessions; one handle per block, 0 for a block the transport refused at once."""
 
     def poll(self, handle: int) -> Status:
         """A handle's status. DONE and FAILED consume the handle: never poll it again."""
 
-    def probe(self, peer: str, dst: int) -> bool:
-        """Write PROBE_BYTES from our scratch to ``dst`` at ``peer`` and wait: is the session usable?"""
+    def probe(self, peer: Peer, dst: int) -> bool:
+        """Write PROBE_BYTES from our scratch to ``dst`` at ``peer`` over every route the
+        writes take, and wait: are the sessions usable?"""
 
-    def reset(self) -> str:
-        """Replace every session (re-create the engine, re-register memory); return the new session id.
+    def reset(self) -> Peer:
+        """Replace every session (re-create the engines, re-register memory); return the new session ids.
         Called only with nothing in flight."""
 
     def close(self) -> None: ...

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import Status, Transport
+from . import Peer, Status, Transport
 
 log = logging.getLogger("pdxfer.faults")
 
@@ -83,7 +83,7 @@ class FaultInjectingTransport:
         self._fake_status: dict[int, Status] = {}
         self._held: dict[int, float] = {}  # real handle -> report no completion before this time
         self._settled: dict[int, Status] = {}  # real handles the engine finished while held
-        self._later: list[tuple[float, int, str, int, int, int]] = []  # (due, seq, peer, src, dst, len)
+        self._later: list[tuple[float, int, Peer, int, int, int]] = []  # (due, seq, peer, src, dst, len)
         self._seq = itertools.count()
         self._background: list[int] = []  # handles of delayed/ghost writes nobody waits for
         self._ghost_buf = np.zeros(GHOST_MAX * GHOST_SLOTS, np.uint8)
@@ -99,12 +99,12 @@ class FaultInjectingTransport:
     def scratch(self) -> int:
         return self.inner.scratch
 
-    def start(self) -> str:
-        session = self.inner.start()
+    def start(self) -> Peer:
+        sessions = self.inner.start()
         self.inner.register(int(self._ghost_buf.ctypes.data), self._ghost_buf.nbytes)
         self._thread.start()
         log.warning("TESTING ONLY: injecting transport faults %s", self.spec)
-        return session
+        return sessions
 
     def register(self, address: int, length: int) -> None:
         self.inner.register(address, length)
@@ -118,7 +118,7 @@ class FaultInjectingTransport:
             return self._rng.uniform(0, seconds)
         return None
 
-    def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
+    def submit(self, peer: Peer, src: list[int], dst: list[int], length: list[int]) -> list[int]:
         handles = []
         now = time.monotonic()
         for s, d, n in zip(src, dst, length):
@@ -165,12 +165,12 @@ class FaultInjectingTransport:
                 del self._held[handle]
         return status
 
-    def probe(self, peer: str, dst: int) -> bool:
+    def probe(self, peer: Peer, dst: int) -> bool:
         if self.spec.broken_after and self._blocks >= self.spec.broken_after and not self._repaired:
             return False
         return self.inner.probe(peer, dst)
 
-    def reset(self) -> str:
+    def reset(self) -> Peer:
         self._repaired = True
         return self.inner.reset()
 
@@ -197,7 +197,7 @@ class FaultInjectingTransport:
         ctypes.memmove(address, src, n)
         return address
 
-    def _schedule(self, due: float, peer: str, src: int, dst: int, n: int) -> None:
+    def _schedule(self, due: float, peer: Peer, src: int, dst: int, n: int) -> None:
         with self._lock:
             heapq.heappush(self._later, (due, next(self._seq), peer, src, dst, n))
         self._due.set()
@@ -218,16 +218,17 @@ class FaultInjectingTransport:
             self._due.wait(wait)
             self._due.clear()
 
-    def _break(self, peer: str, src: int, dst: int, n: int) -> None:
+    def _break(self, peer: Peer, src: int, dst: int, n: int) -> None:
         """Push a batch far over the engine's per-peer queue through its batch API, and
         return while it is still queued, so that pdxfer's next writes meet a full queue.
-        It repeats one real block, so whatever of it lands late writes the right bytes."""
-        engine = getattr(self.inner, "_engine", None)
-        if engine is None:
+        It repeats one real block, so whatever of it lands late writes the right bytes.
+        The first engine and the peer's first session: the pair every stripe list starts with."""
+        engines = getattr(self.inner, "_engines", None)
+        if not engines:
             return
-        count = 4096
-        batch = engine.batch_transfer_async_write(peer, [src] * count, [dst] * count, [n] * count)
+        engine, count = engines[0], 4096
+        batch = engine.batch_transfer_async_write(peer[0], [src] * count, [dst] * count, [n] * count)
         if batch:  # reaped elsewhere: the status call blocks until the whole batch is done
             threading.Thread(target=engine.get_batch_transfer_status, args=([batch],), name="pdxfer-faults-break", daemon=True).start()
         self.injected["break"] += 1
-        log.warning("TESTING ONLY: pushed an over-limit batch of %d writes to %s", count, peer)
+        log.warning("TESTING ONLY: pushed an over-limit batch of %d writes to %s", count, peer[0])

@@ -6,6 +6,10 @@ synchronous calls spin a core until the whole batch is done (and
 ``transfer_check_status`` only looks at the first block of a multi-block batch).
 The engine is imported here only, so the rest of pdxfer runs without it.
 
+A transport may run several engines (``engines``, see paths.engine_count); each
+registers all memory, and writes to a peer take the stripes of paths.stripes in
+turn, one write each.
+
 A session to a peer can break inside the engine (seen here: after a batch over the
 per-peer queue limit, every later write to that peer failed). ``reset`` replaces
 the engine and re-registers everything; the pump calls it when a probe fails.
@@ -19,14 +23,14 @@ import os
 import socket
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ..cpu_yield import normal_policy
 from ..errors import Unsupported
-from ..paths import ENGINE_PROTOCOL
-from . import PROBE_BYTES, Status
+from ..paths import ENGINE_PROTOCOL, stripes
+from . import PROBE_BYTES, Peer, Status
 
 log = logging.getLogger("pdxfer.transport")
 
@@ -37,8 +41,9 @@ PROBE_TIMEOUT = 2.0
 DEFAULT_TCP_QUEUE = 1024  # the engine's per-peer queue unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise
 # Engines replaced by a reset stay alive, so tearing one down cannot race the writes it
 # still had in flight; each holds 2 threads and ~5 descriptors, so a daemon that outlives
-# hundreds of peer restarts would run out of descriptors. Past this many the oldest goes:
-# its writes ended resets ago, and its destructor holds the interpreter ~0.5-1 s here.
+# hundreds of peer restarts would run out of descriptors. Past this many resets the
+# oldest reset's engines go: their writes ended resets ago, and an engine's destructor
+# holds the interpreter ~0.5-1 s here.
 RETIRED_KEPT = 8
 
 
@@ -94,97 +99,129 @@ def load_engine_class():
 
 class MooncakeTransport:
     def __init__(self, host: str, protocol: str = "tcp", devices: str = "", metadata: str = "P2PHANDSHAKE",
-                 engine_env: Mapping[str, str] | None = None) -> None:
+                 engine_env: Mapping[str, str] | None = None, engines: int = 1) -> None:
         self.host = host
         self.engine_env = dict(engine_env or {})  # set in the environment before an engine starts (it reads it there)
         self.protocol = protocol
         self.devices = devices
         self.metadata = metadata
+        self.engines = engines  # how many this transport runs (paths.engine_count)
         self.scratch = 0
-        self.session = ""
+        self.sessions: Peer = ()
         self.resets = 0
-        self._engine = None
-        self._retired: list = []  # replaced engines, the newest RETIRED_KEPT
+        self._engines: list = []
+        self._retired: list[list] = []  # engines replaced by resets, those of the newest RETIRED_KEPT resets
         self._registered: dict[int, int] = {}
+        self._turn = 0  # the stripe the next write takes
         self._lock = threading.Lock()
         self._scratch = np.zeros(SCRATCH_BYTES, np.uint8)
 
-    def _session_name(self, engine) -> str:
-        # With a metadata store the name we gave is the segment's key; peer to peer, host:rpc port.
-        return self._local_name if self.metadata != "P2PHANDSHAKE" else f"{self.host}:{engine.get_rpc_port()}"
-
-    def _new_engine(self):
+    def _new_engine(self) -> tuple[object, str]:
+        """A started engine and the session name peers address it by."""
         os.environ.update(self.engine_env)
         # A metadata store keys segments by the name given: make it unique with a free port.
-        self._local_name = self.host if self.metadata == "P2PHANDSHAKE" else f"{self.host}:{free_port(self.host)}"
+        local = self.host if self.metadata == "P2PHANDSHAKE" else f"{self.host}:{free_port(self.host)}"
         with normal_policy():  # the engine's threads must not inherit a yielding caller's SCHED_IDLE (cpu_yield.py)
             engine = load_engine_class()()
-            rc = engine.initialize(self._local_name, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
+            rc = engine.initialize(local, self.metadata, ENGINE_PROTOCOL[self.protocol], self.devices)
         if rc != 0:
             raise Unsupported(
                 f"transfer engine failed to initialise protocol {self.protocol} on {self.host} (code {rc}); "
                 "see the engine's log lines above"
             )
-        return engine
+        # Peer to peer, a segment is named host:rpc port; with a store, by the name given.
+        return engine, (f"{self.host}:{engine.get_rpc_port()}" if self.metadata == "P2PHANDSHAKE" else local)
 
-    def start(self) -> str:
+    def _new_engines(self) -> tuple[list, Peer]:
+        made = [self._new_engine() for _ in range(self.engines)]
+        return [engine for engine, _ in made], tuple(session for _, session in made)
+
+    def start(self) -> Peer:
         with self._lock:
-            self._engine = self._new_engine()
-            self.session = self._session_name(self._engine)
+            self._engines, self.sessions = self._new_engines()
         self.scratch = int(self._scratch.ctypes.data)
         self.register(self.scratch, SCRATCH_BYTES)
-        return self.session
+        return self.sessions
 
     def register(self, address: int, length: int) -> None:
         with self._lock:
-            rc = self._engine.register_memory(address, length)
-            if rc != 0:
-                raise Unsupported(f"transfer engine refused to register {length} bytes at {address:#x} (code {rc})")
+            _register(self._engines, address, length)
             self._registered[address] = length
 
     def unregister(self, address: int) -> None:
         with self._lock:
             self._registered.pop(address, None)
-            self._engine.unregister_memory(address)
+            for engine in self._engines:
+                engine.unregister_memory(address)
 
-    def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> list[int]:
-        write = self._engine.transfer_submit_write
-        return [write(peer, s, d, n) for s, d, n in zip(src, dst, length)]
+    def _routes(self, peer: Peer) -> list[tuple[Callable, str, int]]:
+        """(write call, peer session, our engine's index) per stripe (paths.stripes)."""
+        return [(self._engines[e].transfer_submit_write, peer[s], e) for e, s in stripes(len(self._engines), len(peer))]
+
+    def submit(self, peer: Peer, src: list[int], dst: list[int], length: list[int]) -> list[int]:
+        routes = self._routes(peer)
+        if len(routes) == 1:  # one engine, one session: the engine's handles as they are
+            write, session, _ = routes[0]
+            return [write(session, s, d, n) for s, d, n in zip(src, dst, length)]
+        # A handle names its engine too: engine index + engines * the engine's handle.
+        count, engines, turn = len(routes), len(self._engines), self._turn
+        self._turn = (turn + len(src)) % count
+        handles = []
+        for i, (s, d, n) in enumerate(zip(src, dst, length)):
+            write, session, e = routes[(turn + i) % count]
+            handle = write(session, s, d, n)
+            handles.append(handle * engines + e if handle else 0)
+        return handles
 
     def poll(self, handle: int) -> Status:
-        return _STATUS.get(self._engine.transfer_check_status(handle), Status.FAILED)
+        engines = self._engines
+        if len(engines) == 1:
+            return _STATUS.get(engines[0].transfer_check_status(handle), Status.FAILED)
+        engine, own = engines[handle % len(engines)], handle // len(engines)
+        return _STATUS.get(engine.transfer_check_status(own), Status.FAILED)
 
-    def probe(self, peer: str, dst: int) -> bool:
-        handle = self._engine.transfer_submit_write(peer, self.scratch, dst, PROBE_BYTES)
-        if handle == 0:
+    def probe(self, peer: Peer, dst: int) -> bool:
+        ways = len(self._routes(peer))  # one write over each route
+        handles = self.submit(peer, [self.scratch] * ways, [dst] * ways, [PROBE_BYTES] * ways)
+        if not all(handles):
             return False
         deadline = time.monotonic() + PROBE_TIMEOUT
-        while time.monotonic() < deadline:
-            status = self.poll(handle)
-            if status is not Status.PENDING:
-                return status is Status.DONE
-            time.sleep(0.001)
-        return False  # the handle stays with the engine; it is retired on reset
+        while handles and time.monotonic() < deadline:
+            statuses = [self.poll(h) for h in handles]
+            if Status.FAILED in statuses:
+                return False
+            handles = [h for h, status in zip(handles, statuses) if status is Status.PENDING]
+            if handles:
+                time.sleep(0.001)
+        return not handles  # a handle left pending stays with its engine; it is retired on reset
 
-    def reset(self) -> str:
+    def reset(self) -> Peer:
         with self._lock:
-            engine = self._new_engine()
+            engines, sessions = self._new_engines()
             for address, length in self._registered.items():
-                if engine.register_memory(address, length) != 0:
-                    raise Unsupported(f"re-registering {length} bytes at {address:#x} failed after an engine reset")
-            self._retired.append(self._engine)
-            self._engine = engine
-            self.session = self._session_name(engine)
+                _register(engines, address, length, "re-registering after an engine reset: ")
+            self._retired.append(self._engines)
+            self._engines, self.sessions = engines, sessions
             self.resets += 1
             oldest = self._retired[:-RETIRED_KEPT]
             del self._retired[:-RETIRED_KEPT]
-        log.warning("transfer engine re-created (reset %d); new session %s", self.resets, self.session)
+        log.warning("transfer engines re-created (reset %d); new sessions %s", self.resets, ",".join(self.sessions))
         if oldest:
             started = time.monotonic()
             oldest.clear()
-            log.warning("destroyed the transfer engine replaced %d resets ago (took %.2fs)", RETIRED_KEPT, time.monotonic() - started)
-        return self.session
+            log.warning("destroyed the transfer engines replaced %d resets ago (took %.2fs)", RETIRED_KEPT, time.monotonic() - started)
+        return self.sessions
 
     def close(self) -> None:
-        self._engine = None
+        self._engines = []
         self._retired.clear()
+
+
+def _register(engines: list, address: int, length: int, context: str = "") -> None:
+    """Register with every engine, or with none: one that refuses undoes the others."""
+    for done, engine in enumerate(engines):
+        rc = engine.register_memory(address, length)
+        if rc != 0:
+            for earlier in engines[:done]:
+                earlier.unregister_memory(address)
+            raise Unsupported(f"{context}transfer engine refused to register {length} bytes at {address:#x} (code {rc})")
