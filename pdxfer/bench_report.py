@@ -90,8 +90,10 @@ def _planning(report: dict) -> list[str]:
     if not planning:
         return []
     rate = planning["at_gbps"]
-    lines = [f"planning (page lists -> checked, coalesced blocks -> the lists the engine is called with, {planning['window']} at a time), "
-             f"vs moving the same bytes at {'-' if rate is None else f'{rate:.2f}'} GB/s (best pdxfer large or medium rate above)"]
+    timings = next(iter(planning["layouts"].values()), {}).get("timings", 1)
+    lines = [f"planning (page lists -> checked, coalesced blocks -> the lists the engine is called with, {planning['window']} at a time; "
+             f"medians of {timings} timings), vs moving the same bytes at {'-' if rate is None else f'{rate:.2f}'} GB/s (best pdxfer "
+             "large or medium rate above)"]
     for label, t in planning["layouts"].items():
         share = "-" if t["plan_share"] is None else f"{t['plan_share']:.2%}"
         transfer = "-" if t["transfer_s"] is None else f"{t['transfer_s']:.1f} s"

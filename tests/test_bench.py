@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from pdxfer.bench_plan import SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.bench_plan import PLANNING_TIMINGS, SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
 from pdxfer import config, cpu_yield
 from pdxfer.bench import by_repeat, memory_shortfall, planning_figures
 from pdxfer.bench_report import format_report, targets
@@ -100,6 +100,7 @@ def test_planning_measurement_counts_blocks():
     assert t["blocks"] % 4 == 0 and 0.9 * 4000 <= t["blocks"] <= 4000  # scattered: (nearly) a block per page and region
     assert t["bytes"] == 1000 * 4 * 256
     assert t["plan_s"] >= 0 and t["to_lists_s"] >= 0
+    assert t["timings"] == PLANNING_TIMINGS > 1
 
 
 @pytest.mark.parametrize("measured, rate", [({"small": 0.1}, None), ({"small": 0.1, "medium": 1.5, "large": 2.0}, 2.0), ({"medium": 1.5}, 1.5)])
