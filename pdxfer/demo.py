@@ -90,8 +90,8 @@ def run_demo(args: argparse.Namespace) -> int:
         decode = start_daemon("decode", runtime, *flags, stderr=logs["decode"])
         daemons.append(decode)
         print(
-            f"prefill daemon pid {prefill.pid}: bootstrap {prefill.bootstrap}, transfer session {prefill.ready['session']}\n"
-            f"decode daemon  pid {decode.pid}: transfer session {decode.ready['session']}\n"
+            f"prefill daemon pid {prefill.pid}: bootstrap {prefill.bootstrap}, transfer sessions {' '.join(prefill.ready['sessions'])}\n"
+            f"decode daemon  pid {decode.pid}: transfer sessions {' '.join(decode.ready['sessions'])}\n"
             f"starting simulated prefill and decode engines ...",
             file=sys.stderr,
         )

@@ -105,7 +105,7 @@ class MooncakeTransport:
         self.protocol = protocol
         self.devices = devices
         self.metadata = metadata
-        self.engines = engines  # how many this transport runs (paths.engine_count)
+        self.engine_count = engines  # how many this transport runs (paths.engine_count)
         self.scratch = 0
         self.sessions: Peer = ()
         self.resets = 0
@@ -133,7 +133,7 @@ class MooncakeTransport:
         return engine, (f"{self.host}:{engine.get_rpc_port()}" if self.metadata == "P2PHANDSHAKE" else local)
 
     def _new_engines(self) -> tuple[list, Peer]:
-        made = [self._new_engine() for _ in range(self.engines)]
+        made = [self._new_engine() for _ in range(self.engine_count)]
         return [engine for engine, _ in made], tuple(session for _, session in made)
 
     def start(self) -> Peer:
