@@ -233,6 +233,11 @@ class PrefillService(RoomService):
             self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=exc.message))
             log.warning("refused decode daemon %s: %s", hello.session, exc.message)
             return
+        if hello.sessions and hello.sessions[0] != hello.session:
+            reason = f"peer_hello sessions {list(hello.sessions)} do not start with its session {hello.session!r}"
+            self.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
+            log.warning("refused decode daemon %s: %s", hello.session, reason)
+            return
         ours = compat(self.kv, self.aux)
         if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
             diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"

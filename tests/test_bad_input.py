@@ -644,6 +644,17 @@ def test_a_hello_from_a_decode_whose_engine_predates_acknowledged_tcp_writes_is_
     assert "0.3.11.post1" in reply.reason and "overtake" in reply.reason, reply
 
 
+def test_a_hello_whose_sessions_do_not_start_with_its_session_is_refused(pair, peer_sock):
+    """Where the prefill writes must be the session the hello announces: a list of
+    sessions naming others first is refused, not trusted over it."""
+    prefill, decode = pair
+    hello = decode_hello(decode.client, "f" * 16, "fuzz/fuzz")
+    hello = msgspec.structs.replace(hello, sessions=("127.0.0.1:2", hello.session))
+    reply = check_peer_error(prefill, peer_sock, [envelope("d" * 16), CODEC.encode(hello)], kinds=(p.PeerRefused,),
+                             codes={"bad_message"})
+    assert "do not start with its session" in reply.reason, reply
+
+
 def test_a_valid_hello_is_welcomed_and_a_silent_peer_forgotten(pair, daemons):
     """The positive control for the refusals above: the same hello, unchanged, to a
     prefill of its own (it adds a peer), which forgets the peer once it stays silent."""
