@@ -91,7 +91,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         uptime=time.monotonic() - daemon.started, wall=time.time(), ready=not waiting, not_ready=waiting,
         draining=daemon.draining, bootstrap=daemon.bootstrap_address, session=daemon.session, engine=daemon.engine_endpoint,
         config=msgspec.to_builtins(cfg), rooms=stats.rooms, slots=stats.slots, failures=stats.failures,
-        counters=counters, queues=pump.depths(),
+        counters=counters, queues=pump.depths(), sessions=list(daemon.sessions),
     )
 
 

@@ -278,7 +278,7 @@ def daemon_cpu_policy() -> str:
     """Why the pdxfer daemons this bench starts (with its environment) keep the normal
     CPU policy for their own threads, or '' when they yield the cores (--yield-cpu)."""
     cfg = config.load({"role": "prefill"})
-    return cpu_yield.why_not(cfg.yield_cpu, cfg.heartbeat_bound)
+    return cpu_yield.why_not(cfg.yield_cpu, cfg.silence_bound)
 
 
 def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dict, runs: dict) -> dict:

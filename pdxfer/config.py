@@ -20,6 +20,7 @@ ENV_PREFIX = "PDXFER_"
 INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
 TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
 TCP_ENGINES = 2  # default of tcp_engines (pdxfer bench reports what its baseline runs)
+RENEWALS_PER_TTL = 3  # the registry renews a daemon's lease this many times per registry_ttl
 
 Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
 AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
@@ -128,6 +129,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def heartbeat_bound(self) -> float:
         """Seconds of silence after which a peer is declared dead."""
         return self.heartbeat_interval * self.heartbeat_misses
+
+    @property
+    def silence_bound(self) -> float:
+        """Seconds this daemon's loop may stand still before something declares it gone:
+        its peers after heartbeat_bound; with a registry, its lease when a stall starts
+        just before a renewal (the lease then has registry_ttl less one renewal interval left)."""
+        if not self.registry:
+            return self.heartbeat_bound
+        return min(self.heartbeat_bound, self.registry_ttl * (1 - 1 / RENEWALS_PER_TTL))
 
     @property
     def instance(self) -> str:

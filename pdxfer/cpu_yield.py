@@ -19,7 +19,8 @@ next to no CPU. A daemon with little to do still gets a core within a few hundre
 milliseconds (measured: 16-230 ms per half second behind a busy process on its only
 core), but a busy one crawls. So the daemon yields only where it can take the cores
 back (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20) and only when its
-peers allow it MIN_HEARTBEAT_BOUND seconds of silence; and ``Yielding`` judges each
+its peers and the registry allow it MIN_SILENCE_BOUND seconds of silence
+(Config.silence_bound); and ``Yielding`` judges each
 WINDOW: if the event loop's thread waited for a core (runnable, not running) over half
 of it while the whole process, the engine's threads included, ran less than half a
 core, other processes hold the cores. (Its own engine threads are what the loop waits
@@ -46,7 +47,7 @@ STARVED_OWN_CPU = 0.5  # ...while the process ran less than this many cores' wor
 STARVED_WINDOWS = 2  # such windows in a row, each with work, before taking the cores back
 CALM_WAIT = 0.1  # at the normal policy, a window whose loop waited less than this share is calm
 CALM_FIRST, CALM_MAX = 60.0, 3600.0  # seconds of calm before yielding again: the first time, and at most
-MIN_HEARTBEAT_BOUND = 2.0  # seconds of silence peers must allow: ten times a yielding loop's wait behind a busy process
+MIN_SILENCE_BOUND = 2.0  # seconds of silence peers and registry must allow: ten times a yielding loop's wait behind a busy process
 SCHEDSTAT = "/proc/thread-self/schedstat"  # run time, run-queue wait (ns), timeslices
 
 
@@ -98,19 +99,20 @@ class Yielding:
         return True
 
 
-def too_tight(heartbeat_bound: float) -> str:
-    """Why heartbeats this tight rule yielding out, or ''."""
-    if heartbeat_bound >= MIN_HEARTBEAT_BOUND:
+def too_tight(silence_bound: float) -> str:
+    """Why deadlines this tight (Config.silence_bound) rule yielding out, or ''."""
+    if silence_bound >= MIN_SILENCE_BOUND:
         return ""
-    return f"peers declare this daemon dead after {heartbeat_bound:g}s of silence, under the {MIN_HEARTBEAT_BOUND:g}s a yielding loop needs"
+    return (f"peers or the registry declare this daemon gone after {silence_bound:g}s of silence, under the "
+            f"{MIN_SILENCE_BOUND:g}s a yielding loop needs")
 
 
-def why_not(enabled: bool, heartbeat_bound: float) -> str:
+def why_not(enabled: bool, silence_bound: float) -> str:
     """Why a daemon with these settings, in this process's place, keeps the normal
     policy for its threads; '' if it yields."""
     if not enabled:
         return "--no-yield-cpu"
-    return too_tight(heartbeat_bound) or unavailable()
+    return too_tight(silence_bound) or unavailable()
 
 
 def unavailable() -> str:

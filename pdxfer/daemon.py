@@ -130,7 +130,7 @@ class Daemon:
     def _yield_cpu(self) -> None:
         """From now on the threads this daemon starts, and its loop, yield the cores to
         the transfer engine's (cpu_yield.py), where it can take them back."""
-        why = cpu_yield.why_not(self.config.yield_cpu, self.config.heartbeat_bound)
+        why = cpu_yield.why_not(self.config.yield_cpu, self.config.silence_bound)
         if why:
             log.info("the daemon's threads keep the normal CPU policy (--yield-cpu): %s", why)
             return
@@ -266,15 +266,17 @@ class Daemon:
         if self.yielding is not None:  # shut down at the normal policy, and leave the process as it was
             cpu_yield.take_back()
             self.yielding = None
+        # The tasks go first: a lease renewal that found its lease lapsed registers
+        # again, and one doing so while we deregister would leave a record behind.
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         if self.registry is not None:
             try:  # go from the registry at once, rather than when the lease lapses
                 await asyncio.wait_for(self.registry.deregister(), 2)
             except (PdxferError, asyncio.TimeoutError) as exc:
                 log.warning("could not deregister from etcd: %s", exc)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
         if self.pump is not None:
             self.pump.stop()
         if self._http is not None:

@@ -89,7 +89,7 @@ def check_daemons(args, s: Settings) -> tuple[list[Check], dict[int, str]]:
 
 
 def _readiness(who: str, info) -> Check:
-    detail = f"{who}: up {_duration(info.uptime)}, incarnation {info.incarnation}, session {info.session}" + (
+    detail = f"{who}: up {_duration(info.uptime)}, incarnation {info.incarnation}, sessions {' '.join(info.sessions)}" + (
         f", bootstrap {info.bootstrap}" if info.bootstrap else "")
     if info.ready:
         return Check(f"daemon {info.name}", "OK", f"{detail}: ready")
@@ -164,7 +164,7 @@ def settings(args) -> tuple[Settings, Check]:
             cfg = config_mod.load({"role": "prefill"}, env={})
     s = Settings(role=role, protocol=cfg.protocol, device=cfg.device, host=cfg.host, bootstrap_port=cfg.bootstrap_port,
                  http_port=cfg.http_port, runtime_dir=cfg.socket_dir, name=args.name or "", rdma_devices=cfg.rdma_devices,
-                 pool_bytes=args.pool_bytes, yield_cpu=cfg.yield_cpu, heartbeat_bound=cfg.heartbeat_bound)
+                 pool_bytes=args.pool_bytes, yield_cpu=cfg.yield_cpu, silence_bound=cfg.silence_bound)
     return s, check
 
 

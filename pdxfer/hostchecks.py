@@ -52,7 +52,7 @@ class Settings:
     rdma_devices: str
     pool_bytes: int
     yield_cpu: bool = True
-    heartbeat_bound: float = 5.0
+    silence_bound: float = 5.0  # Config.silence_bound
 
 
 def _size(n: float) -> str:
@@ -189,7 +189,7 @@ def check_cpu_yield(s: Settings) -> Check:
 
     if not s.yield_cpu:
         return Check("cpu yield", "SKIP", "--no-yield-cpu: the daemon's threads keep the normal policy")
-    why = cpu_yield.why_not(True, s.heartbeat_bound)
+    why = cpu_yield.why_not(True, s.silence_bound)
     if why:
         advice = ("; with CAP_SYS_NICE they would yield the cores to the transfer engine (~15-25% more GB/s on hosts whose "
                   "cores it fills)") if "CAP_SYS_NICE" in why else ""

@@ -579,6 +579,7 @@ class InfoReply(Message, tag="info"):
     failures: dict[str, int]
     counters: dict[str, float]  # bytes_moved, blocks_submitted, rooms_succeeded, rooms_failed, ...
     queues: dict[str, int]  # writes in flight per peer, jobs waiting
+    sessions: list[str] = []  # every transfer engine session, ``session`` first
 
 
 AdminReply = Union[RoomsReply, PeersReply, SlotsReply, InfoReply, Ok, Error]

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from .config import RENEWALS_PER_TTL
 from .errors import PdxferError, Unsupported
 from .protocol import UNDECODABLE, ErrorCode, Role
 
@@ -199,7 +200,7 @@ class Registry:
     async def keep_alive(self) -> None:
         """Renew the lease at a third of its TTL; re-register if it was lost."""
         while True:
-            await asyncio.sleep(self.ttl / 3)
+            await asyncio.sleep(self.ttl / RENEWALS_PER_TTL)
             if await self.client.keepalive(self._lease) <= 0:
                 log.warning("etcd lease %s lapsed; registering again", self._lease)
                 await self.register(self.record)

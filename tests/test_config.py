@@ -147,3 +147,14 @@ def test_default_runtime_dir_is_resolved_once_from_the_given_environment():
 def test_misspelt_environment_variable_is_refused():
     with pytest.raises(ValueError, match="PDXFER_PEER_WINDOWS"):
         config.load({"role": "decode"}, env={"PDXFER_PEER_WINDOWS": "8"})
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({}, 5.0),  # heartbeats alone: interval 1 s x 5 misses
+    ({"registry": "etcd://127.0.0.1:2379"}, 5.0 * 2 / 3),  # a stall just before a renewal leaves the lease 2/3 of its TTL
+    ({"registry": "etcd://127.0.0.1:2379", "registry_ttl": 2}, 2 * 2 / 3),
+    ({"registry": "etcd://127.0.0.1:2379", "registry_ttl": 60, "heartbeat_misses": 2}, 2.0),
+])
+def test_silence_bound_is_the_tightest_deadline_on_this_daemon(flags, expected):
+    cfg = config.load({"role": "decode", **flags}, env={})
+    assert cfg.silence_bound == pytest.approx(expected)

@@ -33,7 +33,7 @@ needs_sched_idle = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"this process c
 
 
 def test_heartbeats_tighter_than_the_minimum_rule_yielding_out():
-    assert cpu_yield.too_tight(cpu_yield.MIN_HEARTBEAT_BOUND) == ""
+    assert cpu_yield.too_tight(cpu_yield.MIN_SILENCE_BOUND) == ""
     assert cpu_yield.too_tight(5.0) == ""
     assert "0.3s of silence" in cpu_yield.too_tight(0.3)
 
@@ -289,7 +289,7 @@ def test_doctor_says_whether_daemons_here_yield_and_why_not():
     s = hostchecks.Settings(role="decode", protocol="tcp", device="cpu", host="127.0.0.1", bootstrap_port=0, http_port=0,
                             runtime_dir="/tmp", name="", rdma_devices="", pool_bytes=0)
     assert hostchecks.check_cpu_yield(hostchecks.Settings(**{**s.__dict__, "yield_cpu": False})).status == "SKIP"
-    tight = hostchecks.check_cpu_yield(hostchecks.Settings(**{**s.__dict__, "heartbeat_bound": 0.5}))
+    tight = hostchecks.check_cpu_yield(hostchecks.Settings(**{**s.__dict__, "silence_bound": 0.5}))
     assert tight.status == "OK" and "keep the normal policy" in tight.detail and "0.5s of silence" in tight.detail
     here = hostchecks.check_cpu_yield(s)
     assert here.status == "OK"

@@ -411,6 +411,7 @@ def test_top_once_json_matches_the_daemon(scene):
     assert {r["room"] for r in frame["live_rooms"]} == {6, 8, 9, 12}
     assert len(frame["peers"]) == 3 and frame["rates_over"] is None
     assert frame["info"]["counters"]["rooms_succeeded"] == 2 and frame["info"]["ready"]
+    assert frame["info"]["sessions"][0] == frame["info"]["session"]
 
 
 def test_top_refreshes_and_shows_each_section(scene):
@@ -567,6 +568,9 @@ def test_doctor_with_running_daemons(scene):
     assert checks["bootstrap port"]["status"] == "OK" and "prefill daemon 'prefill'" in checks["bootstrap port"]["detail"]
     for name in ("decode", "prefill", "slow", "other"):
         assert checks[f"daemon {name}"]["status"] == "OK", checks[f"daemon {name}"]
+    # Every transfer engine's session, the one peers are told first.
+    sessions = s.decode.ready["sessions"]
+    assert len(sessions) == 2 and f"sessions {' '.join(sessions)}" in checks["daemon decode"]["detail"]
     # The decode daemon waits on an address nobody serves: its peer check says so.
     assert checks["peers of decode"]["status"] == "WARN" and s.nobody in checks["peers of decode"]["fix"]
     assert "skew" in checks["peers of prefill"]["detail"] and checks["peers of prefill"]["status"] == "OK"

@@ -93,6 +93,10 @@ def test_daemons_register_and_decode_finds_prefill_by_name(etcd, daemons):
     # A daemon that stops cleanly leaves the registry at once.
     prefill.stop()
     assert "prefill-a" not in records(client, "prefill")
+    # A 2 s lease renewed every 2/3 s lapses after 4/3 s of a stalled loop: too tight to
+    # yield the cores (a starved SCHED_IDLE loop could lose its lease), and it says so.
+    assert "keep the normal CPU policy (--yield-cpu): peers or the registry declare this daemon gone after 1.33333s" in (
+        open(prefill.log_path).read())
 
 
 def test_lease_expiry_of_a_killed_decode_fails_its_rooms_on_the_prefill(etcd, daemons):
