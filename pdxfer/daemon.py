@@ -31,8 +31,8 @@ from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
 from .protocol import UNDECODABLE, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
-from .pump import TransferPump, label
-from .transport import PROBE_BYTES, Peer, Transport, primary
+from .pump import TransferPump
+from .transport import PROBE_BYTES, Peer, Transport, label, primary
 from .peer_channel import PeerLink, PeerServer
 from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 from .cpu_yield import normal_policy
 from .plan import Blocks
-from .transport import Peer, Status, Transport
+from .transport import Peer, Status, Transport, label
 
 log = logging.getLogger("pdxfer.pump")
 
@@ -378,11 +378,6 @@ class TransferPump:
             job.in_flight = 0
             job.queued = False
             self._finished.append(job)
-
-
-def label(sessions: Peer) -> str:
-    """A peer's sessions as logs and errors name them."""
-    return ",".join(sessions)
 
 
 def _deliver(jobs: list[Job]) -> None:

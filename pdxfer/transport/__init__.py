@@ -19,6 +19,11 @@ PROBE_BYTES = 64
 Peer = tuple[str, ...]
 
 
+def label(sessions: Peer) -> str:
+    """A peer's sessions as logs and errors name them."""
+    return ",".join(sessions)
+
+
 def primary(sessions: Peer) -> str:
     """The one session a peer is announced and named by: its first engine's ("" before it started)."""
     return sessions[0] if sessions else ""

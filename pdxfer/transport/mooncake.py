@@ -30,7 +30,7 @@ import numpy as np
 from ..cpu_yield import normal_policy
 from ..errors import Unsupported
 from ..paths import ENGINE_PROTOCOL, stripes
-from . import PROBE_BYTES, Peer, Status
+from . import PROBE_BYTES, Peer, Status, label
 
 log = logging.getLogger("pdxfer.transport")
 
@@ -205,7 +205,7 @@ class MooncakeTransport:
             self.resets += 1
             oldest = self._retired[:-RETIRED_KEPT]
             del self._retired[:-RETIRED_KEPT]
-        log.warning("transfer engines re-created (reset %d); new sessions %s", self.resets, ",".join(self.sessions))
+        log.warning("transfer engines re-created (reset %d); new sessions %s", self.resets, label(self.sessions))
         if oldest:
             started = time.monotonic()
             oldest.clear()
