@@ -70,7 +70,7 @@ def raise_for(reply: Message) -> Message:
     if isinstance(reply, Error):
         raise _ERRORS.get(reply.code, errors.PdxferError)(reply.message, room=reply.room, code=reply.code)
     if isinstance(reply, Busy):
-        raise errors.Busy(reply.reason, retry_after_ms=reply.retry_after_ms)
+        raise errors.Busy(reply.reason, retry_after_ms=reply.retry_after_ms, room=reply.room)
     return reply
 
 
@@ -178,22 +178,51 @@ class _Requests:
         self.aux: AuxBuffer | None = None
         self.welcome = None
         self._req = itertools.count(1)
+        self._unanswered: set[int] = set()  # rooms whose send()/expect() did not wait, not heard of since
+        self._refused: dict[int, Error | Busy] = {}  # what the daemon answered such a request with instead of taking it
 
     def _gone(self) -> str:
         return f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"
 
     def _incoming(self, raw: bytes) -> Message | None:
-        """Decode one message from the daemon: a pushed room status (req 0) is recorded
-        and handed to _pushed; anything else is a reply, returned."""
+        """Decode one message from the daemon: a pushed room status (req 0), or the
+        refusal of a send()/expect() that did not wait, is recorded and handed to
+        _pushed; anything else is a reply, returned."""
         msg = self.codec.engine_replies.decode(raw)
-        if isinstance(msg, RoomStatus) and msg.req == 0:
-            self._status[msg.room] = msg
-            self._pushed(msg)
-            return None
+        if msg.req == 0:
+            if isinstance(msg, RoomStatus):
+                self._status[msg.room] = msg
+                self._unanswered.discard(msg.room)
+                self._pushed(msg)
+                return None
+            if isinstance(msg, (Error, Busy)) and msg.room in self._unanswered:
+                self._refuse(msg)
+                return None
         return msg
 
-    def _pushed(self, status: RoomStatus) -> None:
-        """A room status the daemon pushed (nothing to do unless someone waits on it)."""
+    def _refuse(self, refusal: Error | Busy) -> None:
+        self._unanswered.discard(refusal.room)
+        self._refused[refusal.room] = refusal
+        self._pushed(refusal)
+
+    def _pushed(self, msg: RoomStatus | Error | Busy) -> None:
+        """A room status the daemon pushed, or a refusal (nothing to do unless someone waits on the room)."""
+
+    def _posting(self, msg: Send | Expect) -> None:
+        """``msg`` leaves without waiting for an answer: listen for its refusal."""
+        self._refused.pop(msg.room, None)
+        self._unanswered.add(msg.room)
+
+    def _raise_refusal(self, room: int) -> None:
+        """Raise what the daemon answered a send()/expect() for ``room`` that did not wait with, if it refused it."""
+        refusal = self._refused.pop(room, None)
+        if refusal is not None:
+            raise_for(refusal)
+
+    def _forget(self, room: int) -> None:
+        self._status.pop(room, None)
+        self._unanswered.discard(room)
+        self._refused.pop(room, None)
 
     def _kv_version(self, memory_version: int | None) -> int:
         if memory_version is not None:
@@ -211,17 +240,18 @@ class _Requests:
     def _register_aux(self, aux: AuxBuffer) -> RegisterAux:
         return RegisterAux(req=next(self._req), memory=aux.memory.handle, num_slots=aux.num_slots, slot_bytes=aux.slot_bytes)
 
-    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version) -> Send:
+    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled) -> Send:
         if aux_bytes is None:
             aux_bytes = self.aux.payload_bytes if self.aux else 0
         return Send(
-            req=next(self._req), room=room, pages=pages_to_bytes(pages), num_tokens=num_tokens,
+            req=next(self._req) if wait else 0, room=room, pages=pages_to_bytes(pages), num_tokens=num_tokens,
             slot=slot[0], generation=slot[1], aux_bytes=aux_bytes, memory_version=self._kv_version(memory_version),
+            release_when_settled=release_when_settled,
         )
 
-    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version) -> Expect:
+    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait) -> Expect:
         return Expect(
-            req=next(self._req), room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
+            req=next(self._req) if wait else 0, room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
             generation=slot[1], memory_version=self._kv_version(memory_version), num_draft_tokens=num_draft_tokens,
         )
 
@@ -362,24 +392,54 @@ class Client(_Requests):
         """Rooms and slots by state, failures by reason, peers: what the daemon holds now."""
         return self._call(self._stats())
 
-    def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
-        self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))
+    def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None,
+             *, wait: bool = True, release_when_settled: bool = False) -> None:
+        """Hand a room's KV (``pages``) and aux record (``slot``) to the daemon.
+        ``wait=False`` returns at once: the daemon then sends no ok, and wait() or
+        poll() for the room raise its refusal, if it refused. ``release_when_settled``:
+        the daemon releases the room itself once it settled; no release() for it."""
+        self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled))
 
-    def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None) -> None:
-        self._call(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version))
+    def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
+               *, wait: bool = True) -> None:
+        """Receive a room into ``pages`` and ``slot`` from the prefill daemon at
+        ``bootstrap``; ``wait`` as for send()."""
+        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait))
+
+    def _request(self, msg: Send | Expect) -> None:
+        if msg.req:
+            self._call(msg)
+            return
+        self._posting(msg)
+        try:
+            self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._unanswered.discard(msg.room)
+            raise errors.Busy(f"the queue to the daemon at {self.endpoint} is full", retry_after_ms=10, room=msg.room) from None
+
+    def _ask(self, room: int) -> RoomStatus:
+        """The daemon's answer to a poll. A refusal of a request for this room that
+        did not wait arrives before it (one connection, in order): it is raised first."""
+        try:
+            return self._call(self._poll(room))
+        except errors.PdxferError:
+            self._raise_refusal(room)
+            raise
 
     def poll(self, room: int) -> RoomStatus:
         self._drain()
+        self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
             return known
-        return self._call(self._poll(room))
+        return self._ask(room)
 
     def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Block until the room succeeded, or failed and is fenced. Waits for the
         daemon's pushed status; asks (poll) only now and then, in case one was lost."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self._drain()
+        self._raise_refusal(room)
         status = self._status.get(room)
         ask_at = time.monotonic() + WAIT_POLL_SECONDS
         while status is None or not settled(status):
@@ -388,10 +448,11 @@ class Client(_Requests):
                 state = status.state.value if status else "unsettled"
                 raise errors.Timeout(f"room {room} still {state} after waiting", room=room)
             if now >= ask_at:
-                status = self._call(self._poll(room))  # raises for a room the daemon never had
+                status = self._ask(room)  # raises for a room the daemon never had
                 ask_at = now + WAIT_POLL_SECONDS
                 continue
             self._drain(int(min(deadline, ask_at) * 1000 - now * 1000) + 1)
+            self._raise_refusal(room)
             status = self._status.get(room) or status
         return status
 
@@ -406,7 +467,7 @@ class Client(_Requests):
             self._call(msg)
         else:
             self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
-        self._status.pop(room, None)
+        self._forget(room)
 
 
 class AsyncClient(_Requests):
@@ -462,17 +523,22 @@ class AsyncClient(_Requests):
             if fut is not None:
                 _resolve(fut, msg)
 
-    def _pushed(self, status: RoomStatus) -> None:
-        if settled(status):
-            for fut in self._waiters.pop(status.room, ()):
-                _resolve(fut, status)
+    def _pushed(self, msg: RoomStatus | Error | Busy) -> None:
+        if not isinstance(msg, RoomStatus) or settled(msg):
+            for fut in self._waiters.pop(msg.room, ()):
+                _resolve(fut, msg)
 
     def _dropped(self, to, payloads: list[bytes]) -> None:
         """Requests the socket could not queue (its queue to the daemon is full)."""
         for raw in payloads:
-            fut = self._pending.pop(self.codec.engine_requests.decode(raw).req, None)
+            msg = self.codec.engine_requests.decode(raw)
+            full = f"the queue to the daemon at {self.endpoint} is full"
+            if msg.req == 0 and isinstance(msg, (Send, Expect)) and msg.room in self._unanswered:
+                self._refuse(Busy(req=0, reason=full, retry_after_ms=10, room=msg.room))
+                continue
+            fut = self._pending.pop(msg.req, None)
             if fut is not None and not fut.done():
-                fut.set_exception(errors.Busy(f"the queue to the daemon at {self.endpoint} is full", retry_after_ms=10))
+                fut.set_exception(errors.Busy(full, retry_after_ms=10))
 
     async def _call(self, msg: Message):
         loop = asyncio.get_running_loop()
@@ -524,21 +590,40 @@ class AsyncClient(_Requests):
     async def stats(self) -> Stats:
         return await self._call(self._stats())
 
-    async def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None) -> None:
-        await self._call(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version))
+    async def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None,
+                   *, wait: bool = True, release_when_settled: bool = False) -> None:
+        """As Client.send(): ``wait=False`` spares the daemon's ok and a wake-up per room."""
+        await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled))
 
-    async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None) -> None:
-        await self._call(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version))
+    async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
+                     *, wait: bool = True) -> None:
+        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait))
+
+    async def _request(self, msg: Send | Expect) -> None:
+        if msg.req:
+            await self._call(msg)
+            return
+        self._posting(msg)
+        self._sock.post(self.codec.encode(msg))
+
+    async def _ask(self, room: int) -> RoomStatus:
+        try:
+            return await self._call(self._poll(room))
+        except errors.PdxferError:
+            self._raise_refusal(room)
+            raise
 
     async def poll(self, room: int) -> RoomStatus:
+        self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
             return known
-        return await self._call(self._poll(room))
+        return await self._ask(room)
 
     async def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Until the room succeeded, or failed and is fenced. Waits for the daemon's
         pushed status; asks (poll) only now and then, in case one was lost."""
+        self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
             return known
@@ -560,9 +645,12 @@ class AsyncClient(_Requests):
                     waiters.remove(fut)
                     if not waiters:
                         del self._waiters[room]
-            if status is not None:
+            if isinstance(status, RoomStatus):
                 return status
-            status = await self._call(self._poll(room))  # raises for a room the daemon never had
+            if status is not None:  # the daemon refused the send()/expect() that did not wait
+                self._refused.pop(room, None)
+                raise_for(status)
+            status = await self._ask(room)  # raises for a room the daemon never had
             if settled(status):
                 return status
 
@@ -575,4 +663,4 @@ class AsyncClient(_Requests):
             await self._call(msg)
         else:
             self._sock.post(self.codec.encode(msg))
-        self._status.pop(room, None)
+        self._forget(room)

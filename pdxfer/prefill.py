@@ -159,6 +159,7 @@ class PrefillService(RoomService):
         w = self.work[room.id]
         w.engine, w.src_pages, w.num_tokens = identity, src.copy(), msg.num_tokens
         w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
+        room.release_when_settled = msg.release_when_settled
         self.rooms.apply(room, Event.INPUT_READY, self.clock())
         if room.state is RoomState.TRANSFERRING:
             self._start(room, w, announce=TransferStarted(room=room.id))

@@ -32,7 +32,7 @@ PROTOCOL_VERSION = 3
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
 RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]
-ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1, description="request id; 0 on pushed events")]
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1, description="request id; 0 on pushed events, and on a request that wants no ok")]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 Address = Annotated[int, msgspec.Meta(ge=0, description="uint64 address")]
@@ -212,7 +212,10 @@ class FreeSlot(Message, tag="free_slot"):
 
 
 class Send(Message, tag="send"):
-    """Prefill: the KV of ``room`` is ready in ``pages``; its aux is in ``slot``."""
+    """Prefill: the KV of ``room`` is ready in ``pages``; its aux is in ``slot``.
+    With ``release_when_settled`` the daemon releases the room itself once it has
+    pushed its settled status (Success, or Failed and fenced): the engine sends no
+    ``release`` for it."""
 
     req: ReqId
     room: RoomId
@@ -222,6 +225,7 @@ class Send(Message, tag="send"):
     generation: Positive
     aux_bytes: Count  # payload bytes of the aux record in the slot
     memory_version: Positive
+    release_when_settled: bool = False
 
 
 class Expect(Message, tag="expect"):
@@ -313,6 +317,7 @@ class Busy(Message, tag="busy"):
     req: ReqId
     reason: str
     retry_after_ms: Count
+    room: int = 0  # the room a refused send or expect was for
 
 
 class Stats(Message, tag="stats"):

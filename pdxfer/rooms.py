@@ -90,6 +90,7 @@ class Room:
     deadline: float
     has_input: bool = False
     fenced: bool = False  # no write for this room can land in this side's memory any more
+    release_when_settled: bool = False  # the engine sends no release: drop the room once its settled status is pushed
     code: ErrorCode | None = None
     reason: str = ""
     peer: str = ""

@@ -125,10 +125,12 @@ class RoomService:
             reply = self._dispatch(identity, msg)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
-        if msg.req == 0 and isinstance(msg, (Release, FreeSlot)):  # fire and forget
-            if not isinstance(reply, Ok):
+        if msg.req == 0:  # the engine did not wait for an answer: no ok
+            if isinstance(reply, Ok):
+                return None
+            if isinstance(msg, (Release, FreeSlot)):  # fire and forget: nobody would read the error
                 log.warning("%s without a reply failed: %s", type(msg).__name__, reply)
-            return None
+                return None
         return reply
 
     async def _registration(self, msg: RegisterKV | RegisterAux) -> Message:
@@ -140,7 +142,7 @@ class RoomService:
     def _error_reply(self, msg: Message, exc: Exception) -> Message:
         """What the engine hears when handling ``msg`` raised ``exc``."""
         if isinstance(exc, errors.Busy):
-            return Busy(req=msg.req, reason=exc.message, retry_after_ms=exc.retry_after_ms)
+            return Busy(req=msg.req, reason=exc.message, retry_after_ms=exc.retry_after_ms, room=exc.room)
         if isinstance(exc, PdxferError):
             return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
         # H1: a bug answers this request and nothing else.
@@ -302,6 +304,8 @@ class RoomService:
     def push(self, room: Room, engine: bytes) -> None:
         if engine:
             self.send_engine(engine, self.status(room))
+            if room.release_when_settled and room.finished and room.fenced and self.rooms.find(room.id) is room:
+                self.drop(room)
 
     def engine_of(self, room: Room) -> bytes:
         raise NotImplementedError

@@ -187,8 +187,8 @@ async def _connect(args) -> tuple[AsyncClient, KVLayout]:
 
 
 async def _give_back(client: AsyncClient, slot: Slot) -> None:
-    """Return a slot whose room never started; if the daemon bound it after all (a
-    reply that timed out), it is released with the room instead."""
+    """Return a slot whose room may never have started (its request was refused, or
+    lost); if the daemon bound it after all, it is released with the room instead."""
     try:
         await client.free_slot(slot)
     except errors.PdxferError:
@@ -236,15 +236,14 @@ async def run_prefill(args) -> dict:
             slot = await _alloc_slot(client)
             client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(spec.room, spec.tokens), np.uint8)
             t0 = time.monotonic()
-            try:
-                await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES)
-            except errors.PdxferError:
+            try:  # the daemon releases the room once settled: no release() below
+                await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES, wait=False, release_when_settled=True)
+                status = await client.wait(spec.room, timeout=args.room_timeout)
+            except errors.PdxferError:  # refused (or lost): the slot may never have been bound
                 await _give_back(client, slot)
                 raise
-            status = await client.wait(spec.room, timeout=args.room_timeout)
             timings.append((spec.room, t0, time.monotonic(), status.state is RoomState.SUCCESS))
             key = status.state.value if status.state is RoomState.SUCCESS else f"failed:{status.code.value}"
-            await client.release(spec.room, wait=False)
         except errors.PdxferError as exc:
             key = f"error:{exc.code.value}"
         outcome[key] = outcome.get(key, 0) + 1
@@ -307,11 +306,11 @@ async def run_decode(args) -> dict:
             client.aux.payload(slot)[:] = 0
             t_call = time.monotonic()
             try:
-                await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version)
-            except errors.PdxferError:
+                await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version, wait=False)
+                status = await client.wait(spec.room, timeout=args.room_timeout)
+            except errors.PdxferError:  # refused (or lost): the slot may never have been bound
                 await _give_back(client, slot)
                 raise
-            status = await client.wait(spec.room, timeout=args.room_timeout)
             timings.append((spec.room, t_call, time.monotonic(), status.state is RoomState.SUCCESS))
             if status.state is RoomState.SUCCESS:
                 latencies.append(time.perf_counter() - t0)

@@ -213,6 +213,38 @@ async def test_concurrent_slot_requests_share_a_grant_instead_of_hearing_busy(da
         await client.close()
 
 
+async def test_requests_that_do_not_wait_raise_their_refusal_in_wait(daemons):
+    """AsyncClient: a refused expect(wait=False) is raised by wait() for its room,
+    whether wait() came before the refusal or after; a request the socket could not
+    queue is refused with Busy the same way."""
+    d = daemons("decode", name="d")
+    client = AsyncClient(d.engine, timeout=5)
+    await client.connect()
+    try:
+        await client.create_kv_pool(small_layout())
+        await client.create_aux_buffer(4, 64)
+        slot = await client.alloc_slot()
+        await client.expect(3, "127.0.0.1:1", np.array([1, 256]), slot, wait=False)
+        with pytest.raises(errors.PageOutOfRange) as exc:
+            await client.wait(3)
+        assert exc.value.room == 3
+        waiting = asyncio.ensure_future(client.wait(4))
+        await asyncio.sleep(0)
+        await client.expect(4, "127.0.0.1:1", np.array([300]), slot, wait=False)
+        with pytest.raises(errors.PageOutOfRange, match="page index 300"):
+            await waiting
+        # A full queue cannot be made here on demand: hand the request to the
+        # socket's drop callback, as the socket does when its queue is full.
+        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False)
+        client._posting(lost)
+        client._dropped(None, [client.codec.encode(lost)])
+        with pytest.raises(errors.Busy, match="queue to the daemon") as exc:
+            await client.wait(5)
+        assert exc.value.room == 5
+    finally:
+        await client.close()
+
+
 def test_a_pool_larger_than_shared_memory_is_refused_before_anything_is_mapped():
     """Faulting in a pool past /dev/shm's room ends in SIGBUS or the OOM killer, with
     the pages left behind; the engine gets a clear error instead, and no file."""

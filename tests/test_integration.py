@@ -111,9 +111,9 @@ def test_faulty_rooms_fail_with_their_reason_and_the_rest_succeed(daemons):
     assert set(pre["outcome"]) <= {"success", "failed:insufficient_capacity", "failed:timeout"}, pre["outcome"]
 
 
-def _fill_room(prefill, room: int, pages: np.ndarray, tokens: int, seed: int):
-    """Write a recognisable pattern into the prefill pages and aux slot; return what
-    the decode side must see (per-region page bytes, aux bytes)."""
+def _fill_room(prefill, room: int, pages: np.ndarray, tokens: int, seed: int, **send_flags):
+    """Write a recognisable pattern into the prefill pages and aux slot, and send();
+    return what the decode side must see (per-region page bytes, aux bytes)."""
     rng = np.random.default_rng(seed)
     expected = []
     for arr in prefill.kv.arrays():
@@ -123,7 +123,7 @@ def _fill_room(prefill, room: int, pages: np.ndarray, tokens: int, seed: int):
     slot = prefill.alloc_slot()
     aux = rng.integers(0, 256, size=48, dtype=np.uint8)
     prefill.aux.payload(slot)[:48] = aux
-    prefill.send(room, pages, tokens, slot, aux_bytes=48)
+    prefill.send(room, pages, tokens, slot, aux_bytes=48, **send_flags)
     return expected, aux.tobytes()
 
 
@@ -172,6 +172,59 @@ def test_send_before_expect_and_expect_before_send(engines):
     assert decode.wait(2).state is RoomState.SUCCESS
     assert np.array_equal(decode.kv.arrays()[0][[40]], expected[0])
     assert prefill.wait(1).state is RoomState.SUCCESS and prefill.wait(2).state is RoomState.SUCCESS
+
+
+def test_requests_that_do_not_wait_get_no_ok_and_their_refusal_at_wait(engines):
+    """send()/expect() with wait=False: the daemon answers a good request with
+    nothing, a bad one with its error pushed for the room, which wait() and poll()
+    raise. (A poll right after the request is answered after the refusal arrived.)"""
+    prefill = engines(engines.prefill_daemon, small_layout())
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    slot = decode.alloc_slot()
+    decode.expect(30, boot, np.array([1, 256]), slot, wait=False)
+    with pytest.raises(errors.PageOutOfRange, match="page index 256") as exc:
+        decode.wait(30)
+    assert exc.value.room == 30
+    decode.free_slot(slot)  # never bound: the room was refused
+    bad_slot = prefill.alloc_slot()
+    prefill.send(30, np.array([-1]), 4, bad_slot, wait=False)
+    with pytest.raises(errors.PageOutOfRange, match="page index -1"):
+        prefill.poll(30)
+    prefill.free_slot(bad_slot)
+    # A good room with neither side waiting moves as usual.
+    dslot = decode.alloc_slot()
+    decode.expect(31, boot, np.array([3, 4]), dslot, wait=False)
+    assert decode._sock.poll(300) == 0  # no ok came (and the room cannot move yet)
+    expected, aux = _fill_room(prefill, 31, np.array([7, 8]), 8, seed=9, wait=False)
+    assert decode.wait(31).state is RoomState.SUCCESS and prefill.wait(31).state is RoomState.SUCCESS
+    assert np.array_equal(decode.kv.arrays()[0][[3, 4]], expected[0])
+    assert decode.aux.read(dslot, 31)[:48] == aux
+    decode.release(31)
+    prefill.release(31)
+
+
+def test_a_room_sent_with_release_when_settled_is_released_by_its_daemon(engines):
+    """Once its settled status is pushed (Success, or Failed and fenced), the prefill
+    daemon drops the room and frees its slot; the engine sends no release()."""
+    prefill = engines(engines.prefill_daemon, small_layout(), slots=2)
+    decode = engines(engines.decode_daemon, small_layout())
+    boot = engines.prefill_daemon.bootstrap
+    decode.expect(40, boot, np.array([1, 2]), decode.alloc_slot(), wait=False)
+    _fill_room(prefill, 40, np.array([5, 6]), 8, seed=10, wait=False, release_when_settled=True)
+    assert prefill.wait(40).state is RoomState.SUCCESS
+    _fill_room(prefill, 41, np.array([9]), 4, seed=11, wait=False, release_when_settled=True)  # no decode side yet
+    assert prefill._sock.poll(300) == 0  # no ok came (and the room cannot move yet)
+    prefill.abort(41, "request cancelled")
+    assert prefill.wait(41).state is RoomState.FAILED
+    stats = prefill.stats()
+    assert sum(stats.rooms.values()) == 0, stats.rooms
+    assert stats.slots.get("free") == 2, stats.slots  # both slots back in the pool
+    assert prefill.poll(40).state is RoomState.SUCCESS  # from the daemon's memory of finished rooms
+    with pytest.raises(errors.UnknownRoom):
+        prefill.release(40)
+    assert decode.wait(40).state is RoomState.SUCCESS
+    decode.release(40)
 
 
 def test_compat_mismatch_is_refused_naming_the_difference(engines):
