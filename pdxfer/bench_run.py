@@ -29,7 +29,7 @@ from .bench_plan import Plan, block_counts
 from .bench_raw import proc_sample
 from .config import TCP_ENGINES, TCP_LANES
 from .inspection import daemon_counters
-from .launch import LaunchError, read_events, sim_argv, start_daemon
+from .launch import LaunchError, read_events, sim_argv, start_daemon, stop_all
 from .paths import engine_env
 
 Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
@@ -250,8 +250,8 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
         except LaunchError as exc:
             failure = exc
     if failure is not None:
+        stop_all(daemons.values())
         for d in daemons.values():
-            d.stop()
             d.proc.stdout.close()
         raise failure
     return daemons
@@ -295,7 +295,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
             samples["decode_counters_after"] = daemon_counters(daemons["decode"].ready["admin"])
     finally:
         _reap(sims.values())
-        codes = {role: d.stop() for role, d in daemons.items()}
+        codes = dict(zip(daemons, stop_all(daemons.values())))
         for d in daemons.values():
             d.proc.stdout.close()
         shutil.rmtree(runtime, ignore_errors=True)

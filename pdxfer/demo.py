@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from .launch import DaemonProcess, LaunchError, read_events, start_daemon, start_sim
+from .launch import DaemonProcess, LaunchError, read_events, start_daemon, start_sim, stop_all
 
 
 class ProgressBar:
@@ -113,8 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for proc in sims.values():
             if proc.poll() is None:
                 proc.kill()
-        for daemon in daemons:
-            daemon.stop()
+        stop_all(daemons)
     if "decode" not in summaries or "prefill" not in summaries:
         print("pdxfer demo: a simulated engine exited without a summary (its errors are above)", file=sys.stderr)
         _show_logs(runtime)

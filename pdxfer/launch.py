@@ -48,15 +48,32 @@ class DaemonProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 10.0) -> int:
+    def terminate(self) -> None:
+        """Ask the daemon to shut down (SIGTERM), without waiting. Once: a second
+        SIGTERM during its shutdown ends it at once."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait(self, timeout: float = 10.0) -> int:
+        """Its exit code, killing it if it has not exited within ``timeout``."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         return self.proc.returncode
+
+    def stop(self, timeout: float = 10.0) -> int:
+        self.terminate()
+        return self.wait(timeout)
+
+
+def stop_all(daemons, timeout: float = 10.0) -> list[int]:
+    """Stop daemons together, their exit codes in order: each takes a second or two to
+    exit (its transfer engines' shutdown), so all are asked before any is waited for."""
+    for daemon in daemons:
+        daemon.terminate()
+    return [daemon.wait(timeout) for daemon in daemons]
 
 
 def start_daemon(

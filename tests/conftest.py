@@ -9,12 +9,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdxfer import memory
 from pdxfer.client import Client
-from pdxfer.launch import start_daemon
+from pdxfer.launch import start_daemon, stop_all
 from pdxfer.protocol import KVLayout, Layout
 
 
@@ -72,15 +73,18 @@ def daemons(runtime_dir, tmp_path):
         return daemon
 
     yield start
-    codes = {d.ready.get("name", d.role): d.stop() for d in started}
+    codes = dict(zip((d.ready.get("name", d.role) for d in started), stop_all(started)))
     crashed = {name: code for name, code in codes.items() if code not in (0, -9)}
     assert not crashed, f"daemons exited abnormally: {crashed}"
 
 
 @pytest.fixture
 def pair(daemons):
-    """A prefill and a decode daemon with default options."""
-    return daemons("prefill"), daemons("decode")
+    """A prefill and a decode daemon with default options, started together (each
+    takes about a second to start)."""
+    with ThreadPoolExecutor(2) as pool:
+        prefill, decode = pool.map(daemons, ("prefill", "decode"))
+    return prefill, decode
 
 
 def orphan_pool(prefix: str, nbytes: int) -> str:

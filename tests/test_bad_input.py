@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from pdxfer import protocol as p
 from pdxfer.client import Client
 from pdxfer.decode import bootstrap_endpoint
-from pdxfer.launch import start_daemon
+from pdxfer.launch import start_daemon, stop_all
 from pdxfer.peer_channel import encode
 from pdxfer.plan import compat_of, pages_to_bytes
 from pdxfer.protocol import RoomState
@@ -86,7 +86,7 @@ def _dealer(endpoint: str) -> zmq.Socket:
 
 
 def _stop_all(daemons) -> None:
-    codes = {d.ready.get("name", d.role): d.stop() for d in daemons}
+    codes = dict(zip((d.ready.get("name", d.role) for d in daemons), stop_all(daemons)))
     assert all(c == 0 for c in codes.values()), f"daemons exited abnormally: {codes}"
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from pdxfer import errors
 from pdxfer.inspection import daemon_counters
+from pdxfer.launch import stop_all
 from pdxfer.protocol import RoomState
 
 from . import netns
@@ -85,7 +86,7 @@ def net(runtime_dir, tmp_path, hb_flags):
     pair.start = start
     try:
         yield pair
-        codes = {d.role: d.stop() for d in started}
+        codes = dict(zip((d.role for d in started), stop_all(started)))
         assert all(code in (0, -9) for code in codes.values()), f"daemons exited abnormally: {codes}"
     finally:
         for daemon in started:
