@@ -26,17 +26,17 @@ each room's KV pages from a prefill pool to a decode pool on loopback:
             of the two) until the decode engine sees Success
 
 Room page lists come from --seed; blocks from pdxfer.plan. Pools hold every room's
-pages, so sources are filled before and destinations checked (every byte, every
-room, every system) after the timed window; any mismatch or failed room is reported
-and the command exits 1. A run maps a source and a destination pool at once: sizes
-whose pools would not fit in shared memory are refused before anything starts
-(exit 2). Figures are medians over --repeat runs; each workload
-prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room, CPU seconds per
-GB of the two byte-moving processes (pdxfer: the daemons), their resident memory,
-and the ratio pdxfer/baseline of each (and pdxfer/wire), then pdxfer/baseline GB/s
-in each repeat (its runs are neighbours in time; the spread is the box's noise), and
-how many runs' daemons left SCHED_IDLE when other processes starved them (--yield-cpu
-on the daemons). A progress bar runs on stderr."""
+pages, so sources are filled (and pdxfer's aux records made) before and destinations
+checked (every byte, every room, every system) after the timed window; any mismatch
+or failed room is reported and the command exits 1. A run maps a source and a
+destination pool at once: sizes whose pools would not fit in shared memory are
+refused before anything starts (exit 2). Figures are medians over --repeat runs;
+each workload prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room,
+CPU seconds per GB of the two byte-moving processes (pdxfer: the daemons), their
+resident memory, and the ratio pdxfer/baseline of each (and pdxfer/wire), then
+pdxfer/baseline GB/s in each repeat (its runs are neighbours in time; the spread is
+the box's noise), and how many runs' daemons left SCHED_IDLE when other processes
+starved them (--yield-cpu on the daemons). A progress bar runs on stderr."""
 
 
 def size_range(text: str) -> tuple[float, float]:

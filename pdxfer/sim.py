@@ -11,7 +11,8 @@ ids are random 64-bit values, prompts are 1..max_tokens tokens, and page choices
 scattered so that coalescing has real work to do.
 
 For the benchmark, ``--plan FILE`` takes the rooms and both sides' page lists from a
-plan file (pdxfer.bench_plan) instead; ``--timings FILE`` records when each room's
+plan file (pdxfer.bench_plan) instead, and fills the sources and makes every room's
+aux record before the first room; ``--timings FILE`` records when each room's
 send()/expect() was called and when its wait() returned.
 """
 
@@ -83,6 +84,16 @@ def corrupt_one_byte(arrays: list[np.ndarray], pages: np.ndarray) -> None:
 def aux_record(room: int, tokens: int) -> bytes:
     head = room.to_bytes(8, "little") + tokens.to_bytes(8, "little")
     return head + hashlib.sha256(head).digest() + bytes(AUX_RECORD_BYTES - 16 - 32)
+
+
+def planned_records(specs: list[RoomSpec], planned: bool) -> dict[int, bytes]:
+    """With --plan, every room's aux record by spec index, made before the timed rooms
+    as their pages are filled; otherwise none (record_of makes each when it is needed)."""
+    return {spec.index: aux_record(spec.room, spec.tokens) for spec in specs} if planned else {}
+
+
+def record_of(records: dict[int, bytes], spec: RoomSpec) -> bytes:
+    return records.get(spec.index) or aux_record(spec.room, spec.tokens)
 
 
 def fault_of(index: int, faults: dict[str, int]) -> str:
@@ -222,6 +233,7 @@ async def run_prefill(args) -> dict:
     specs, fixed = _rooms(args)
     for spec in specs if fixed else ():  # planned pages are never reused: fill them all now
         fill_pages(arrays, spec.room, fixed[spec.index][0])
+    records = planned_records(specs, bool(fixed))
     outcome: dict[str, int] = {}
     timings: list[tuple[int, float, float, bool]] = []
     report = Reporter()
@@ -234,7 +246,7 @@ async def run_prefill(args) -> dict:
             if not fixed:
                 fill_pages(arrays, spec.room, src)
             slot = await _alloc_slot(client)
-            client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(aux_record(spec.room, spec.tokens), np.uint8)
+            client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(record_of(records, spec), np.uint8)
             t0 = time.monotonic()
             try:  # the daemon releases the room once settled: no release() below
                 await client.send(spec.room, src, spec.tokens, slot, aux_bytes=AUX_RECORD_BYTES, wait=False, release_when_settled=True)
@@ -265,6 +277,7 @@ async def run_decode(args) -> dict:
     arrays = client.kv.arrays()
     region_bytes = sum(a.shape[1] for a in arrays)
     specs, fixed = _rooms(args)
+    records = planned_records(specs, bool(fixed))
     outcome: dict[str, int] = {}
     by_fault: dict[str, dict[str, int]] = {}
     latencies: list[float] = []
@@ -314,7 +327,7 @@ async def run_decode(args) -> dict:
             timings.append((spec.room, t_call, time.monotonic(), status.state is RoomState.SUCCESS))
             if status.state is RoomState.SUCCESS:
                 latencies.append(time.perf_counter() - t0)
-                ok = client.aux.read(slot, spec.room) == aux_record(spec.room, spec.tokens)
+                ok = client.aux.read(slot, spec.room) == record_of(records, spec)
                 if fixed and ok:
                     to_check.append((spec, dst[:n_src]))
                 elif ok:
