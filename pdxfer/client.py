@@ -178,6 +178,11 @@ class _Requests:
         self.aux: AuxBuffer | None = None
         self.welcome = None
         self._req = itertools.count(1)
+        self._forget_rooms()
+
+    def _forget_rooms(self) -> None:
+        """What this client heard about rooms: nothing yet (a new connection)."""
+        self._status: dict[int, RoomStatus] = {}  # pushed statuses
         self._unanswered: set[int] = set()  # rooms whose send()/expect() did not wait, not heard of since
         self._refused: dict[int, Error | Busy] = {}  # what the daemon answered such a request with instead of taking it
 
@@ -312,7 +317,7 @@ class Client(_Requests):
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(self.endpoint)
-        self._status: dict[int, RoomStatus] = {}
+        self._forget_rooms()
         self.welcome = self._call(self._hello())
         return self.welcome
 
@@ -478,7 +483,7 @@ class AsyncClient(_Requests):
 
     async def connect(self):
         self._pending: dict[int, asyncio.Future] = {}
-        self._status: dict[int, RoomStatus] = {}
+        self._forget_rooms()
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._sock = Dealer(zmq.Context.instance(), self.endpoint, b"", MAX_REPLY_BYTES, 100_000)
         self._sock.start(asyncio.get_running_loop(), self._read, self._connection, on_dropped=self._dropped)
