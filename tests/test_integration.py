@@ -13,6 +13,7 @@ from pdxfer.launch import read_events, start_sim
 from pdxfer.protocol import Layout, RoomState
 
 from .conftest import needs_mooncake, small_layout
+from .roomkit import wait_until
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
@@ -109,6 +110,13 @@ def test_faulty_rooms_fail_with_their_reason_and_the_rest_succeed(daemons):
     # Every prefill room ended: Success, its peer's capacity failure, or a timeout.
     assert sum(pre["outcome"].values()) == 200
     assert set(pre["outcome"]) <= {"success", "failed:insufficient_capacity", "failed:timeout"}, pre["outcome"]
+
+
+def _known_failed(client, room: int) -> bool:
+    try:
+        return client.poll(room).state is RoomState.FAILED
+    except errors.UnknownRoom:
+        return False
 
 
 def _fill_room(prefill, room: int, pages: np.ndarray, tokens: int, seed: int, **send_flags):
@@ -283,6 +291,9 @@ def test_relocation_between_plan_and_use_fails_the_room_before_bytes_move(engine
     status = decode.wait(11)
     assert status.state is RoomState.FAILED and status.code == "stale_memory_version"
     assert "memory version 1 -> 2" in status.reason
+    # The prefill hears of it over the bootstrap channel, which the decode engine's
+    # wait() does not wait for (its request never left: the room is fenced at once).
+    wait_until(lambda: _known_failed(prefill, 11), 10.0, "the prefill daemon hearing that room 11 failed")
     with pytest.raises(errors.PdxferError) as exc:
         _fill_room(prefill, 11, np.array([5, 6]), 8, seed=6)
     assert "already failed" in str(exc.value)
