@@ -189,6 +189,9 @@ class _Requests:
     def _gone(self) -> str:
         return f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"
 
+    def _queue_full(self) -> str:
+        return f"the queue to the daemon at {self.endpoint} is full"
+
     def _incoming(self, raw: bytes) -> Message | None:
         """Decode one message from the daemon: a pushed room status (req 0), or the
         refusal of a send()/expect() that did not wait, is recorded and handed to
@@ -420,7 +423,7 @@ class Client(_Requests):
             self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             self._unanswered.discard(msg.room)
-            raise errors.Busy(f"the queue to the daemon at {self.endpoint} is full", retry_after_ms=10, room=msg.room) from None
+            raise errors.Busy(self._queue_full(), retry_after_ms=10, room=msg.room) from None
 
     def _ask(self, room: int) -> RoomStatus:
         """The daemon's answer to a poll. A refusal of a request for this room that
@@ -535,9 +538,9 @@ class AsyncClient(_Requests):
 
     def _dropped(self, to, payloads: list[bytes]) -> None:
         """Requests the socket could not queue (its queue to the daemon is full)."""
+        full = self._queue_full()
         for raw in payloads:
             msg = self.codec.engine_requests.decode(raw)
-            full = f"the queue to the daemon at {self.endpoint} is full"
             if msg.req == 0 and isinstance(msg, (Send, Expect)) and msg.room in self._unanswered:
                 self._refuse(Busy(req=0, reason=full, retry_after_ms=10, room=msg.room))
                 continue

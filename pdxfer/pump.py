@@ -107,7 +107,7 @@ class TransferPump:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[Peer, _Peer] = {}
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
         self._cancels = False  # a job was cancelled since the last round
         self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
