@@ -16,6 +16,7 @@ FIGURES = (
     ("inline_share", "rooms with KV in aux record", "{:.0%}"),
     ("cpu_s_per_gb", "CPU s per GB moved", "{:.2f}"),
     ("cpu_ms_per_room", "CPU ms per room", "{:.2f}"),
+    ("engine_cpu_ms_per_room", "engine CPU ms per room", "{:.2f}"),
     ("rss_idle_mib", "RSS idle MiB", "{:.0f}"),
     ("rss_anon_mib", "RSS anon MiB after", "{:.0f}"),
     ("rss_peak_mib", "RSS peak MiB (pools incl.)", "{:.0f}"),

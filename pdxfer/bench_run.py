@@ -62,6 +62,7 @@ class RunResult:
     inline_rooms: int | None = None  # rooms whose KV rode the aux record (pdxfer)
     mismatches: int = 0
     cpu_s: float | None = None  # of the two processes that move bytes (daemons, raw engines), over the window
+    engine_cpu_s: float | None = None  # pdxfer: of the two engine processes (pdxfer.client and the sims' own work), over their rooms
     # Memory of the larger of those two processes, in bytes:
     rss_idle: int | None = None  # VmRSS before any pool is mapped (pdxfer: the daemon once ready)
     rss_anon: int | None = None  # RssAnon after the last room: memory of its own, without mapped pools
@@ -82,6 +83,7 @@ class RunResult:
             "inline_share": self.inline_rooms / self.rooms if self.inline_rooms is not None and self.rooms else None,
             "cpu_s_per_gb": self.cpu_s / gb if self.cpu_s is not None and gb else None,
             "cpu_ms_per_room": self.cpu_s * 1000 / self.ok if self.cpu_s is not None and self.ok else None,
+            "engine_cpu_ms_per_room": self.engine_cpu_s * 1000 / self.ok if self.engine_cpu_s is not None and self.ok else None,
             "rss_idle_mib": mib(self.rss_idle),
             "rss_anon_mib": mib(self.rss_anon),
             "rss_peak_mib": mib(self.rss_peak),
@@ -319,6 +321,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     if result.ok != len(plan.rooms):
         result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"
     result.cpu_s = sum(samples["after"][r]["cpu_s"] - samples["before"][r]["cpu_s"] for r in pids)
+    result.engine_cpu_s = dec["cpu_s"] + pre["cpu_s"]
     result.rss_idle = max(samples["idle"][r]["VmRSS"] for r in pids)
     result.rss_anon = max(samples["after"][r]["RssAnon"] for r in pids)
     result.rss_peak = max(samples["after"][r]["VmHWM"] for r in pids)

@@ -3,7 +3,8 @@ sends them, and a decode engine that receives them and checks every byte.
 
 They use pdxfer.client exactly as a real engine would, run as their own processes
 (``python -m pdxfer.sim prefill|decode ...``), and print JSON lines on stdout:
-``progress`` lines while they run and one ``summary`` line at the end. The demo,
+``progress`` lines while they run and one ``summary`` line at the end (with the CPU
+seconds the process spent from its first room to its last: ``cpu_s``). The demo,
 the integration tests and the benchmark drive them.
 
 Both engines derive the same room list from the seed, so no router is needed: room
@@ -238,6 +239,7 @@ async def run_prefill(args) -> dict:
     timings: list[tuple[int, float, float, bool]] = []
     report = Reporter()
     await _ready(args, report)
+    cpu = time.process_time()
 
     async def one(spec: RoomSpec) -> None:
         n = pages_for_tokens(spec.tokens, layout.page_size)
@@ -264,9 +266,10 @@ async def run_prefill(args) -> dict:
         report.emit("progress", done=sum(outcome.values()))
 
     await run_rooms(specs, args.in_flight, one)
+    cpu = time.process_time() - cpu
     await client.close()
     _save_timings(args.timings, timings)
-    return {"event": "summary", "role": "prefill", "outcome": outcome}
+    return {"event": "summary", "role": "prefill", "outcome": outcome, "cpu_s": cpu}
 
 
 async def run_decode(args) -> dict:
@@ -288,7 +291,7 @@ async def run_decode(args) -> dict:
     corrupt = args.corrupt
     report = Reporter()
     await _ready(args, report)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
 
     def check(spec: RoomSpec, pages: np.ndarray) -> bool:
         nonlocal corrupt
@@ -354,7 +357,7 @@ async def run_decode(args) -> dict:
         report.emit("progress", done=sum(outcome.values()), total=len(specs), bytes=moved, mismatches=mismatches)
 
     await run_rooms(specs, args.in_flight, one)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     for spec, dst in to_check:  # planned pages were never reused: check them now, outside the timed rooms
         if not check(spec, dst):
             mismatches += 1
@@ -371,6 +374,7 @@ async def run_decode(args) -> dict:
         "mismatches": mismatches,
         "bytes": moved,
         "seconds": elapsed,
+        "cpu_s": cpu,
         "gbps": moved / elapsed / 1e9 if elapsed else 0.0,
         "p50_ms": float(np.percentile(lat, 50)),
         "p90_ms": float(np.percentile(lat, 90)),

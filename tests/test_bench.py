@@ -232,6 +232,8 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
             assert pdx["inline_share"] == 1.0 and pdx["blocks_per_room"] == 0
         assert wl["systems"]["pdxfer"]["median"]["p99_ms"] is not None
         assert wl["systems"]["pdxfer"]["median"]["cpu_s_per_gb"] is not None
+        assert pdx["engine_cpu_ms_per_room"] > 0  # the engine processes' own count over their rooms
+        assert wl["systems"]["baseline"]["median"]["engine_cpu_ms_per_room"] is None  # its engines are the byte movers
         assert wl["systems"]["pdxfer"]["median"]["rss_idle_mib"] > 0
     unmeasured = {t["target"] for t in report["targets"] if t["met"] is None}
     assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
