@@ -56,30 +56,39 @@ class Deframer:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[list[bytes]]:
+        # Whole messages are cut straight from ``data``, one copy per frame; only a
+        # message still incomplete waits in the buffer (most reads end on a message's end).
         buf = self._buf
-        buf += data
+        if buf:
+            buf += data
+            src = buf
+        else:
+            src = data
         messages = []
-        pos, size = 0, len(buf)
-        while size - pos >= 4:
-            (count,) = _COUNT.unpack_from(buf, pos)
-            if not 1 <= count <= MAX_FRAMES:
-                raise BadMessage(f"a message has 1 to {MAX_FRAMES} frames, not {count}")
-            start = pos + 4 + 4 * count
-            if size < start:
-                break
-            lengths = struct.unpack_from(f"<{count}I", buf, pos + 4)
-            if max(lengths) > self.max_frame_bytes:
-                raise BadMessage(f"a frame of {max(lengths)} bytes is over the {self.max_frame_bytes}-byte limit")
-            if size < start + sum(lengths):
-                break
-            frames = []
-            for length in lengths:
-                frames.append(bytes(buf[start : start + length]))
-                start += length
-            messages.append(frames)
-            pos = start
-        if pos:
+        pos, size = 0, len(src)
+        with memoryview(src) as view:
+            while size - pos >= 4:
+                (count,) = _COUNT.unpack_from(src, pos)
+                if not 1 <= count <= MAX_FRAMES:
+                    raise BadMessage(f"a message has 1 to {MAX_FRAMES} frames, not {count}")
+                start = pos + 4 + 4 * count
+                if size < start:
+                    break
+                lengths = struct.unpack_from(f"<{count}I", src, pos + 4)
+                if max(lengths) > self.max_frame_bytes:
+                    raise BadMessage(f"a frame of {max(lengths)} bytes is over the {self.max_frame_bytes}-byte limit")
+                if size < start + sum(lengths):
+                    break
+                frames = []
+                for length in lengths:
+                    frames.append(bytes(view[start : start + length]))
+                    start += length
+                messages.append(frames)
+                pos = start
+        if src is buf:
             del buf[:pos]
+        elif pos < size:
+            buf += memoryview(data)[pos:]
         return messages
 
 

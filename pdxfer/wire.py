@@ -119,8 +119,11 @@ MAX_BATCH = 256  # messages (frames) one ZMQ message may carry; receivers refuse
 SEND_AT = 8
 # Plain ints: zmq's flag enums cost a Python-level __or__ on every frame.
 _LAST = int(zmq.NOBLOCK)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+# pyzmq's compiled socket methods, without its Python-level wrappers (keyword
+# handling, option enums): 0.5-1 us less per frame sent here, on every message.
+_send_frame, _recv_frame, _option = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
 CLOSE_LINGER = 100  # ms
 _COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
 
@@ -198,9 +201,11 @@ class LoopSocket:
             for _ in range(BATCH):
                 try:
                     # Asking first is cheaper than the Again exception a read of nothing raises.
-                    if not sock.getsockopt(_EVENTS) & _POLLIN:
+                    if not _option(sock, _EVENTS) & _POLLIN:
                         return
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = [_recv_frame(sock, _LAST)]
+                    while _option(sock, _RCVMORE):
+                        frames.append(_recv_frame(sock, _LAST))
                 except zmq.Again:
                     return
                 except zmq.ZMQError as exc:
@@ -233,8 +238,8 @@ class LoopSocket:
             return False
         try:
             for frame in frames[:-1]:
-                sock.send(frame, _MORE, copy=len(frame) < _COPY_BELOW)
-            sock.send(frames[-1], _LAST, copy=len(frames[-1]) < _COPY_BELOW)
+                _send_frame(sock, frame, _MORE, len(frame) < _COPY_BELOW)
+            _send_frame(sock, frames[-1], _LAST, len(frames[-1]) < _COPY_BELOW)
             return True
         except zmq.ZMQError as exc:
             log.debug("%s: dropped a message to %r: %s", self.name, to, exc)
