@@ -115,7 +115,8 @@ class Daemon:
         self.pump.on_reset = self._transport_reset
         self.pump.start()
         self.metrics = Metrics(self)
-        self.service.rooms.observer = self._observe
+        # The log level is set once, before this: without debug logging the table tells the metrics directly.
+        self.service.rooms.observer = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
         if cfg.http_port:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
             self.http_port = await self._http.start()
@@ -369,10 +370,10 @@ class Daemon:
             self._admin.post(identity, self.codec.encode(reply))
 
     def _observe(self, room, left, now: float) -> None:
+        """The room table's observer with debug logging: metrics, and one line per transition."""
         self.metrics.observe(room, left, now)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
-                      f" [{room.code.value}] {room.reason}" if room.code else "")
+        log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
+                  f" [{room.code.value}] {room.reason}" if room.code else "")
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()

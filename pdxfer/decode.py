@@ -262,6 +262,11 @@ class DecodeService(RoomService):
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint)
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
+        if isinstance(msg, AuxRecord):  # every room's, so asked first
+            room = self._room_of(link, msg.room)
+            if room is not None:  # else dropped or never ours; nothing to change
+                self._aux_record(link, room, msg)
+            return
         if isinstance(msg, HeartbeatAck):
             now = self.clock()
             link.clock_sample(msg.clock, now)
@@ -293,8 +298,6 @@ class DecodeService(RoomService):
                 self._started(room)
         elif isinstance(msg, TransferStarted):
             self._started(room)
-        elif isinstance(msg, AuxRecord):
-            self._aux_record(link, room, msg)
         elif isinstance(msg, RoomFailed):
             w = self.work[room.id]
             w.peer_fenced, w.peer_failed = msg.fenced, True

@@ -187,17 +187,17 @@ class PrefillService(RoomService):
             if peer is None:
                 raise PdxferError("this prefill daemon does not know you (it restarted, or declared you dead): say peer_hello", code=ErrorCode.UNKNOWN_PEER, side=errors.Side.PEER)
             peer.last_heard = self.clock()
-            if isinstance(msg, Heartbeat):
+            if isinstance(msg, RoomRequest):
+                peer.writes_until = max(peer.writes_until, msg.writes_until)
+                self._request(peer, msg)
+            elif isinstance(msg, RoomAck):
+                self._ack(peer, msg)
+            elif isinstance(msg, Heartbeat):
                 wall = time.time()
                 if msg.wall:
                     peer.skew = msg.wall - wall
                 peer.writes_until = max(peer.writes_until, msg.writes_until)
                 self.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall, clock=self.clock()))
-            elif isinstance(msg, RoomRequest):
-                peer.writes_until = max(peer.writes_until, msg.writes_until)
-                self._request(peer, msg)
-            elif isinstance(msg, RoomAck):
-                self._ack(peer, msg)
             elif isinstance(msg, RoomFailed):
                 self._peer_failed(peer, msg)
             else:

@@ -68,7 +68,10 @@ class RoomState(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (RoomState.SUCCESS, RoomState.FAILED)
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RoomState.SUCCESS, RoomState.FAILED})
 
 
 class ErrorCode(str, enum.Enum):

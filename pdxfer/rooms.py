@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import Busy, DuplicateRoom, IllegalTransition, UnknownRoom
-from .protocol import ErrorCode, Role, RoomState
+from .protocol import TERMINAL_STATES, ErrorCode, Role, RoomState
 
 B = RoomState.BOOTSTRAPPING
 W = RoomState.WAITING_FOR_INPUT
@@ -49,7 +49,7 @@ TRANSITIONS: dict[tuple[RoomState, Event], RoomState] = {
 
 def next_state(state: RoomState, event: Event, has_input: bool) -> RoomState | None:
     """The state after ``event``; None when the room is finished and ignores it."""
-    if state.terminal:
+    if state in TERMINAL_STATES:
         return None
     try:
         target = TRANSITIONS[(state, event)]
@@ -103,7 +103,7 @@ class Room:
 
     @property
     def finished(self) -> bool:
-        return self.state.terminal
+        return self.state in TERMINAL_STATES
 
 
 class RoomTable:
@@ -120,6 +120,7 @@ class RoomTable:
         # reusing the id) are skipped.
         self._deadlines: list[tuple[float, int, int]] = []
         self._tickets = itertools.count(1)
+        self._limits = {state: timeouts.for_state(state) for state in RoomState}  # read on every transition
 
     def __len__(self) -> int:
         return len(self._rooms)
@@ -179,7 +180,7 @@ class RoomTable:
         left = room.state
         room.state = target
         room.entered = now
-        room.deadline = now + self.timeouts.for_state(target)
+        room.deadline = now + self._limits[target]
         room.history.append((target, now))
         self._schedule(room)
         if self.observer is not None:
