@@ -55,6 +55,7 @@ from .protocol import (
 from .stamp import HEADER_BYTES, unpack_header, verify
 from .wire import CLOSE_LINGER, Dealer
 
+MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)
 WAIT_POLL_SECONDS = 1.0  # wait() asks the daemon this often when no status was pushed
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 _ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls is not errors.Busy}
@@ -272,8 +273,8 @@ class _Requests:
     def _release(self, room: int, wait: bool) -> Release:
         return Release(req=next(self._req) if wait else 0, room=room)
 
-    def _alloc(self) -> AllocSlot:
-        return AllocSlot(req=next(self._req), count=self.slot_batch)
+    def _alloc(self, count: int = 0) -> AllocSlot:
+        return AllocSlot(req=next(self._req), count=count or self.slot_batch)
 
     def _granted(self, grant: SlotGrant) -> Slot:
         self._spare.extend(Slot(*pair) for pair in grant.more)
@@ -486,6 +487,8 @@ class AsyncClient(_Requests):
 
     async def connect(self):
         self._pending: dict[int, asyncio.Future] = {}
+        self._asking: asyncio.Future | None = None  # the request for slots out now
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()  # alloc_slot() calls waiting for it
         self._forget_rooms()
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._sock = Dealer(zmq.Context.instance(), self.endpoint, b"", MAX_REPLY_BYTES, 100_000)
@@ -581,16 +584,44 @@ class AsyncClient(_Requests):
         return aux
 
     async def alloc_slot(self) -> Slot:
+        """A slot at hand, or one from the daemon. One request for slots is out at a
+        time, for as many as are waiting (slot_batch at least): when only a few are
+        free, callers that each asked for a batch would be granted one or two each,
+        a round trip per room."""
         if self._spare:
             return self._spare.popleft()
-        try:
-            return self._granted(await self._call(self._alloc()))
-        except errors.Busy:
-            # Concurrent callers each ask; the first grant can take every free slot,
-            # and its spares are at hand by the time the others hear Busy.
-            if self._spare:
-                return self._spare.popleft()
-            raise
+        waiter = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        if self._asking is None:
+            self._ask_slots()
+        return await waiter
+
+    def _ask_slots(self) -> None:
+        count = min(MAX_SLOTS_PER_REQUEST, max(self.slot_batch, len(self._slot_waiters)))
+        self._asking = asyncio.ensure_future(self._call(self._alloc(count)))  # held here: the loop keeps only a weak reference
+        self._asking.add_done_callback(self._slots_granted)
+
+    def _slots_granted(self, asked: asyncio.Future) -> None:
+        self._asking = None
+        waiters = self._slot_waiters
+        if asked.cancelled():
+            refusal: BaseException | None = errors.PdxferError("engine client closed")
+        else:
+            refusal = asked.exception()
+        if refusal is None:
+            self._spare.appendleft(self._granted(asked.result()))
+        while waiters and (self._spare or refusal is not None):
+            waiter = waiters.popleft()
+            if waiter.done():  # cancelled: nothing to give it
+                continue
+            if refusal is None:
+                waiter.set_result(self._spare.popleft())
+            elif isinstance(refusal, errors.Busy):  # each caller gets its own
+                waiter.set_exception(errors.Busy(refusal.message, retry_after_ms=refusal.retry_after_ms))
+            else:
+                waiter.set_exception(refusal)
+        if waiters:  # more callers came than this grant served
+            self._ask_slots()
 
     async def free_slot(self, slot: Slot) -> None:
         await self._call(self._free(slot))

@@ -18,7 +18,7 @@ from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.daemon import Daemon
 from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState
+from pdxfer.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState
 from pdxfer.wire import MAX_BATCH
 
 from .conftest import needs_mooncake, orphan_pool, small_layout
@@ -209,6 +209,44 @@ async def test_concurrent_slot_requests_share_a_grant_instead_of_hearing_busy(da
         assert len({index for index, _ in slots}) == 4
         with pytest.raises(errors.Busy):  # a fifth has nothing to share
             await client.alloc_slot()
+    finally:
+        await client.close()
+
+
+async def test_concurrent_slot_requests_go_to_the_daemon_one_at_a_time(daemons, monkeypatch):
+    """Callers that find no slot at hand while a request for slots is out wait for its
+    grant instead of each asking: with few slots free, each of their own requests
+    would be granted one or two (a round trip per room). The next request asks for
+    as many as wait then, and every caller hears Busy when the daemon has none left."""
+    d = daemons("decode", name="d")
+    client = AsyncClient(d.engine, slot_batch=2)
+    await client.connect()
+    asked, out = [], []
+    call = client._call
+
+    async def counting(msg):
+        if not isinstance(msg, AllocSlot):
+            return await call(msg)
+        out.append(msg)
+        asked.append((msg.count, len(out)))  # slots asked for, requests out at once
+        try:
+            return await call(msg)
+        finally:
+            out.remove(msg)
+
+    monkeypatch.setattr(client, "_call", counting)
+    try:
+        await client.create_aux_buffer(6, 64)
+        slots = await asyncio.gather(*(client.alloc_slot() for _ in range(5)))
+        assert len({index for index, _ in slots}) == 5
+        assert asked == [(2, 1), (3, 1)]  # the first caller's batch, then one request for the three still waiting
+        asked.clear()
+        results = await asyncio.gather(*(client.alloc_slot() for _ in range(3)), return_exceptions=True)
+        assert isinstance(results[0], tuple)  # the table's last free slot
+        assert all(isinstance(r, errors.Busy) for r in results[1:])  # one more request, refused for both callers left
+        assert asked == [(2, 1), (2, 1)]
+        await client.free_slot(slots[0])
+        assert (await client.alloc_slot())[0] == slots[0][0]  # nothing is stuck after a refusal
     finally:
         await client.close()
 
