@@ -391,6 +391,7 @@ class Daemon:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.service.tick()
+            self.metrics.fold()
             if self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
                 start, window = window, cpu_yield.sample()
                 self._cpu_window(*(now - then for now, then in zip(window, start)))

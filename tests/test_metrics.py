@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer.client import Client
 from pdxfer.errors import UnknownRoom
+from pdxfer.metrics import BUCKETS, Histogram
 from pdxfer.protocol import RoomState
 
 from .conftest import needs_mooncake, small_layout
@@ -28,6 +29,22 @@ pytestmark = [needs_mooncake, pytest.mark.integration]
 
 PAGE_BYTES = 4 * 64 * 8  # small_layout: a page is 4 tokens x 64 bytes in each of 8 regions
 REGIONS = 8
+
+
+def test_a_histogram_folds_waiting_values_into_cumulative_le_buckets():
+    """Values wait in a list and are bucketed together: a value on a bound counts in
+    that bound's bucket (Prometheus's le), later folds add to earlier ones, and what
+    waits is counted whenever the histogram is read."""
+    h = Histogram()
+    h.waiting.extend([0.0, BUCKETS[0], BUCKETS[0] * 1.5, 120.0])
+    h.fold()
+    h.waiting.extend([121.0, 0.0007])  # read without a fold: the reader folds them
+    buckets = dict(h.buckets())
+    assert buckets[str(BUCKETS[0])] == 2  # 0 and the bound itself
+    assert buckets[str(BUCKETS[1])] == 4  # + 0.00075 and 0.0007
+    assert buckets["120"] == 5 and buckets["+Inf"] == 6
+    assert h.total == pytest.approx(0.0 + BUCKETS[0] + BUCKETS[0] * 1.5 + 120.0 + 121.0 + 0.0007)
+    assert h.waiting == []
 
 
 def get(port: int, path: str) -> tuple[int, str, str]:
