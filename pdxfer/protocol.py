@@ -618,14 +618,12 @@ class Codec:
 
     def __init__(self) -> None:
         self.encoder = msgspec.msgpack.Encoder()
+        self.encode = self.encoder.encode  # Message -> bytes; the encoder's own method, called for every message
         self.engine_requests = msgspec.msgpack.Decoder(EngineRequest)
         self.engine_replies = msgspec.msgpack.Decoder(EngineReply)
         self.peer_messages = msgspec.msgpack.Decoder(PeerMessage)
         self.admin_requests = msgspec.msgpack.Decoder(AdminRequest)
         self.admin_replies = msgspec.msgpack.Decoder(AdminReply)
-
-    def encode(self, message: Message) -> bytes:
-        return self.encoder.encode(message)
 
 
 def json_schema() -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,7 +100,8 @@ class Room:
     bytes_planned: int = 0
     bytes_moved: int = 0
     history: list[tuple[RoomState, float]] = field(default_factory=list)
-    ticket: int = 0  # identifies the room's current deadline entry
+    ticket: int = 0  # identifies the room's live deadline entry
+    due: float = 0.0  # that entry's time: never after ``deadline`` (see RoomTable.expired)
 
     @property
     def finished(self) -> bool:
@@ -115,9 +117,11 @@ class RoomTable:
         # Told of every state change: (room, the state it left, now). Metrics and logs.
         self.observer: Callable[[Room, RoomState | None, float], None] | None = None
         self._rooms: dict[int, Room] = {}
-        # (deadline, ticket, room id); an entry counts only while it holds its room's
-        # current ticket, so stale entries (older states, removed rooms, a later room
-        # reusing the id) are skipped.
+        # (due, ticket, room id); an entry counts only while it holds its room's
+        # current ticket, so stale entries (removed rooms, a later room reusing the id)
+        # are skipped. A move to a later deadline pushes no entry: the live one, due
+        # earlier, is pushed again at its time (most rooms end within their first
+        # state's limit, so a short room costs one push, not one per state).
         self._deadlines: list[tuple[float, int, int]] = []
         self._tickets = itertools.count(1)
         self._limits = {state: timeouts.for_state(state) for state in RoomState}  # read on every transition
@@ -145,8 +149,8 @@ class RoomTable:
         return room
 
     def _schedule(self, room: Room) -> None:
-        room.ticket = next(self._tickets)
-        heapq.heappush(self._deadlines, (room.deadline, room.ticket, room.id))
+        room.ticket, room.due = next(self._tickets), room.deadline
+        heapq.heappush(self._deadlines, (room.due, room.ticket, room.id))
 
     def get(self, room_id: int) -> Room:
         try:
@@ -182,7 +186,8 @@ class RoomTable:
         room.entered = now
         room.deadline = now + self._limits[target]
         room.history.append((target, now))
-        self._schedule(room)
+        if room.deadline < room.due:
+            self._schedule(room)
         if self.observer is not None:
             self.observer(room, left, now)
         return True
@@ -192,7 +197,9 @@ class RoomTable:
         # Entries of removed rooms stay in the heap until their deadline; rebuild it
         # when they dominate, so a fast stream of short rooms cannot grow it.
         if len(self._deadlines) > 4 * len(self._rooms) + 1024:
-            self._deadlines = [(r.deadline, r.ticket, r.id) for r in self._rooms.values()]
+            for r in self._rooms.values():
+                r.due = r.deadline
+            self._deadlines = [(r.due, r.ticket, r.id) for r in self._rooms.values()]
             heapq.heapify(self._deadlines)
         return room
 
@@ -204,7 +211,12 @@ class RoomTable:
         while heap and heap[0][0] <= now:
             _, ticket, room_id = heapq.heappop(heap)
             room = self._rooms.get(room_id)
-            if room is not None and room.ticket == ticket:
+            if room is None or room.ticket != ticket:
+                continue
+            if room.deadline > now:  # it moved to a later deadline since: due again then
+                self._schedule(room)
+            else:
+                room.due = math.inf  # no live entry: its next move pushes one
                 out.append(room)
         return out
 

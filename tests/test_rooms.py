@@ -177,6 +177,17 @@ def test_moving_on_resets_the_deadline():
     assert table.expired(9.0 + TIMEOUTS.waiting) == [room]
 
 
+def test_a_move_to_an_earlier_deadline_expires_at_it_and_later_ones_wait_for_the_first_entry():
+    table = RoomTable(10, Timeouts(bootstrap=10.0, waiting=50.0, transfer=5.0, retention=100.0))
+    room = table.create(1, Role.PREFILL, 0.0)
+    table.apply(room, Event.BOOTSTRAPPED, 1.0)  # deadline 51: the entry due at 10 stands for it
+    assert len(table._deadlines) == 1  # (private: one heap push for the two states)
+    assert table.expired(10.0) == []  # due, but not expired: pushed again for 51
+    table.apply(room, Event.INPUT_READY, 20.0)  # deadline 25, before the entry due at 51
+    assert table.expired(24.9) == []
+    assert table.expired(25.0) == [room]
+
+
 @pytest.mark.parametrize("state", TERMINAL)
 def test_finished_room_expires_after_retention(state):
     table = new_table()
@@ -256,7 +267,7 @@ def test_counts_and_iteration():
 
 def test_heap_compaction_on_remove_keeps_expiry_correct():
     table = RoomTable(10_000, TIMEOUTS)
-    # Many short rooms that each leave four heap entries, then are released.
+    # Many short rooms that each leave a heap entry, then are released.
     for i in range(1, 1001):
         room = table.create(i, Role.PREFILL, 0.0)
         for event in (Event.BOOTSTRAPPED, Event.INPUT_READY, Event.DONE):
