@@ -27,6 +27,7 @@ the newest leave it read. Requests wait for the link's first offset (the welcome
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ OFFSET_SAMPLES = 8
 IDLE_LINK_SECONDS = 60.0  # an idle link not heard from for this long (or 10 heartbeat bounds) is closed
 
 
+@functools.lru_cache(maxsize=1024)  # parsed for every expect(); prefill addresses are few
 def bootstrap_endpoint(address: str) -> str:
     """'host:port' or 'tcp://host:port' -> 'tcp://host:port'."""
     address = address.strip()
@@ -162,7 +164,7 @@ class DecodeService(RoomService):
         self.check_local_version(msg.memory_version, msg.room)
         room = self.rooms.create(msg.room, Role.DECODE, self.clock(), peer=endpoint)
         # What it can receive at most: its pages in every region and a full aux record.
-        room.bytes_planned = dst.size * sum(r.page_bytes for r in kv.regions) + self._aux().slot_bytes
+        room.bytes_planned = dst.size * kv.page_bytes + self._aux().slot_bytes
         try:
             self.bind_slot(room, msg.slot, msg.generation)
         except PdxferError:
@@ -174,14 +176,16 @@ class DecodeService(RoomService):
         request = RoomRequest(
             room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
             num_draft_tokens=msg.num_draft_tokens, lease_ms=int(self.config.transfer_timeout * 1000),
+            writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
-            self._send_request(link, request)
+            self.send_link(link.endpoint, request)
         else:  # its leave to write needs the prefill's clock: the welcome brings it
             link.held[room.id] = request
         return Ok(req=msg.req)
 
     def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
+        """A request held until the link knew the prefill's clock, with its leave to write from now."""
         leave = link.writes_until(self.clock(), self._leave_span)
         self.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
 

@@ -310,9 +310,10 @@ async def run_decode(args) -> dict:
             fault = fault if n_dst else ""
             n_dst = n_dst or 1
         dst = fixed[spec.index][1] if fixed else await pages.take(n_dst)
-        wire_pages = dst.copy()
+        wire_pages = dst
         version = None
         if fault == "out_of_range":
+            wire_pages = dst.copy()
             wire_pages[-1] = layout.num_pages
         elif fault == "stale":
             version = client.kv.version + 1
