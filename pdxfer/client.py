@@ -58,6 +58,7 @@ from .wire import CLOSE_LINGER, Dealer
 MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)
 WAIT_POLL_SECONDS = 1.0  # wait() asks the daemon this often when no status was pushed
 MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_SELF_RELEASED = 65536  # rooms sent with release_when_settled whose status a client keeps until it is claimed
 _ERRORS = {cls.code: cls for cls in errors.PdxferError.__subclasses__() if cls is not errors.Busy}
 
 
@@ -186,6 +187,9 @@ class _Requests:
         self._status: dict[int, RoomStatus] = {}  # pushed statuses
         self._unanswered: set[int] = set()  # rooms whose send()/expect() did not wait, not heard of since
         self._refused: dict[int, Error | Busy] = {}  # what the daemon answered such a request with instead of taking it
+        # Rooms sent with release_when_settled, oldest first: no release() forgets them,
+        # so their status is forgotten once wait() or poll() returned it settled.
+        self._self_released: dict[int, None] = {}
 
     def _gone(self) -> str:
         return f"the daemon at {self.endpoint} went away: rooms in flight on it are lost; connect and register again"
@@ -211,6 +215,7 @@ class _Requests:
 
     def _refuse(self, refusal: Error | Busy) -> None:
         self._unanswered.discard(refusal.room)
+        self._self_released.pop(refusal.room, None)
         self._refused[refusal.room] = refusal
         self._pushed(refusal)
 
@@ -221,6 +226,22 @@ class _Requests:
         """``msg`` leaves without waiting for an answer: listen for its refusal."""
         self._refused.pop(msg.room, None)
         self._unanswered.add(msg.room)
+        self._taken(msg)
+
+    def _taken(self, msg: Send | Expect) -> None:
+        """The daemon has (or, not waiting, will have) the room: one it releases itself is
+        remembered until its settled status is claimed; at most MAX_SELF_RELEASED of
+        them, the oldest forgotten first (an engine that never waits for them)."""
+        if isinstance(msg, Send) and msg.release_when_settled:
+            self._self_released[msg.room] = None
+            if len(self._self_released) > MAX_SELF_RELEASED:
+                self._forget(next(iter(self._self_released)))
+
+    def _claimed(self, room: int, status: RoomStatus) -> RoomStatus:
+        """``status`` goes to the engine: a settled room the daemon released itself is forgotten."""
+        if room in self._self_released and settled(status):
+            self._forget(room)
+        return status
 
     def _raise_refusal(self, room: int) -> None:
         """Raise what the daemon answered a send()/expect() for ``room`` that did not wait with, if it refused it."""
@@ -232,6 +253,7 @@ class _Requests:
         self._status.pop(room, None)
         self._unanswered.discard(room)
         self._refused.pop(room, None)
+        self._self_released.pop(room, None)
 
     def _kv_version(self, memory_version: int | None) -> int:
         if memory_version is not None:
@@ -418,12 +440,13 @@ class Client(_Requests):
     def _request(self, msg: Send | Expect) -> None:
         if msg.req:
             self._call(msg)
+            self._taken(msg)
             return
         self._posting(msg)
         try:
             self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            self._unanswered.discard(msg.room)
+            self._forget(msg.room)
             raise errors.Busy(self._queue_full(), retry_after_ms=10, room=msg.room) from None
 
     def _ask(self, room: int) -> RoomStatus:
@@ -440,8 +463,8 @@ class Client(_Requests):
         self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
-            return known
-        return self._ask(room)
+            return self._claimed(room, known)
+        return self._claimed(room, self._ask(room))
 
     def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Block until the room succeeded, or failed and is fenced. Waits for the
@@ -463,7 +486,7 @@ class Client(_Requests):
             self._drain(int(min(deadline, ask_at) * 1000 - now * 1000) + 1)
             self._raise_refusal(room)
             status = self._status.get(room) or status
-        return status
+        return self._claimed(room, status)
 
     def abort(self, room: int, reason: str = "aborted by engine") -> None:
         self._call(self._abort(room, reason))
@@ -641,6 +664,7 @@ class AsyncClient(_Requests):
     async def _request(self, msg: Send | Expect) -> None:
         if msg.req:
             await self._call(msg)
+            self._taken(msg)
             return
         self._posting(msg)
         self._sock.post(self.codec.encode(msg))
@@ -656,8 +680,8 @@ class AsyncClient(_Requests):
         self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
-            return known
-        return await self._ask(room)
+            return self._claimed(room, known)
+        return self._claimed(room, await self._ask(room))
 
     async def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Until the room succeeded, or failed and is fenced. Waits for the daemon's
@@ -665,7 +689,7 @@ class AsyncClient(_Requests):
         self._raise_refusal(room)
         known = self._status.get(room)
         if known is not None and settled(known):
-            return known
+            return self._claimed(room, known)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
         while True:
@@ -685,13 +709,13 @@ class AsyncClient(_Requests):
                     if not waiters:
                         del self._waiters[room]
             if isinstance(status, RoomStatus):
-                return status
+                return self._claimed(room, status)
             if status is not None:  # the daemon refused the send()/expect() that did not wait
                 self._refused.pop(room, None)
                 raise_for(status)
             status = await self._ask(room)  # raises for a room the daemon never had
             if settled(status):
-                return status
+                return self._claimed(room, status)
 
     async def abort(self, room: int, reason: str = "aborted by engine") -> None:
         await self._call(self._abort(room, reason))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import zmq
 
-from pdxfer import config, errors, memory
+from pdxfer import client as client_module, config, errors, memory
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.daemon import Daemon
 from pdxfer.prefill import PrefillService
 from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState
+from pdxfer.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
 from pdxfer.wire import MAX_BATCH
 
 from .conftest import needs_mooncake, orphan_pool, small_layout
@@ -130,6 +130,27 @@ def test_demo_command_runs_and_reports(tmp_path):
     assert "rooms succeeded     24 / 24" in result.stdout
     assert "0 mismatches" in result.stdout
     assert "p50" in result.stdout and "GB/s" in result.stdout
+
+
+def test_a_client_keeps_rooms_its_daemon_releases_only_until_their_status_is_claimed(monkeypatch):
+    """No release() forgets a room sent with release_when_settled: the client forgets
+    its status once wait() or poll() handed it over settled, and keeps at most
+    MAX_SELF_RELEASED such rooms for an engine that never asks (oldest out first).
+    Before, every such room's status stayed for the life of the connection."""
+    monkeypatch.setattr(client_module, "MAX_SELF_RELEASED", 2)
+    requests, codec = _Requests("unused"), Codec()
+    for room in (1, 2, 3):
+        requests._posting(requests._send(room, [room], 4, (room, 1), 0, 1, False, True))
+        assert requests._incoming(codec.encode(RoomStatus(req=0, room=room, state=RoomState.SUCCESS, fenced=True))) is None
+    assert list(requests._self_released) == [2, 3] and set(requests._status) == {2, 3}  # room 1 forgotten unclaimed
+    unsettled = RoomStatus(req=0, room=2, state=RoomState.TRANSFERRING)
+    assert requests._claimed(2, unsettled) is unsettled and 2 in requests._status  # only a settled status is the last word
+    requests._claimed(3, requests._status[3])
+    assert set(requests._status) == {2} and list(requests._self_released) == [2]
+    requests._posting(requests._send(4, [4], 4, (4, 1), 0, 1, False, False))  # the engine releases this one
+    requests._incoming(codec.encode(RoomStatus(req=0, room=4, state=RoomState.SUCCESS, fenced=True)))
+    requests._claimed(4, requests._status[4])
+    assert 4 in requests._status  # kept for its release()
 
 
 async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runtime_dir):

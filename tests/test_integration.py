@@ -225,6 +225,7 @@ def test_a_room_sent_with_release_when_settled_is_released_by_its_daemon(engines
     assert prefill._sock.poll(300) == 0  # no ok came (and the room cannot move yet)
     prefill.abort(41, "request cancelled")
     assert prefill.wait(41).state is RoomState.FAILED
+    assert not prefill._status and not prefill._self_released  # (private) the client keeps nothing of them either
     stats = prefill.stats()
     assert sum(stats.rooms.values()) == 0, stats.rooms
     assert stats.slots.get("free") == 2, stats.slots  # both slots back in the pool
