@@ -243,6 +243,13 @@ class _Requests:
             self._forget(room)
         return status
 
+    def _known_settled(self, room: int) -> RoomStatus | None:
+        """The settled status already heard for ``room`` (claimed), or None; first
+        raises the refusal of its send()/expect() that did not wait, if there was one."""
+        self._raise_refusal(room)
+        known = self._status.get(room)
+        return self._claimed(room, known) if known is not None and settled(known) else None
+
     def _raise_refusal(self, room: int) -> None:
         """Raise what the daemon answered a send()/expect() for ``room`` that did not wait with, if it refused it."""
         refusal = self._refused.pop(room, None)
@@ -460,11 +467,8 @@ class Client(_Requests):
 
     def poll(self, room: int) -> RoomStatus:
         self._drain()
-        self._raise_refusal(room)
-        known = self._status.get(room)
-        if known is not None and settled(known):
-            return self._claimed(room, known)
-        return self._claimed(room, self._ask(room))
+        known = self._known_settled(room)
+        return known if known is not None else self._claimed(room, self._ask(room))
 
     def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Block until the room succeeded, or failed and is fenced. Waits for the
@@ -677,19 +681,15 @@ class AsyncClient(_Requests):
             raise
 
     async def poll(self, room: int) -> RoomStatus:
-        self._raise_refusal(room)
-        known = self._status.get(room)
-        if known is not None and settled(known):
-            return self._claimed(room, known)
-        return self._claimed(room, await self._ask(room))
+        known = self._known_settled(room)
+        return known if known is not None else self._claimed(room, await self._ask(room))
 
     async def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
         """Until the room succeeded, or failed and is fenced. Waits for the daemon's
         pushed status; asks (poll) only now and then, in case one was lost."""
-        self._raise_refusal(room)
-        known = self._status.get(room)
-        if known is not None and settled(known):
-            return self._claimed(room, known)
+        known = self._known_settled(room)
+        if known is not None:
+            return known
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
         while True:
