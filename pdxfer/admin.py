@@ -5,6 +5,7 @@ secret (see wire.Seal)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
@@ -46,10 +47,16 @@ def slot_infos(aux, now: float) -> list[SlotInfo]:
     return [
         SlotInfo(
             index=s.index, state=s.state.value, room=s.room, generation=s.generation, since=now - s.since if s.since else 0.0,
-            fence_in=max(0.0, s.fence_deadline - now) if s.state is SlotState.QUARANTINED else 0.0,
+            fence_in=_fence_in(s, now),
         )
         for s in aux.slots.slots
     ]
+
+
+def _fence_in(slot, now: float) -> float:
+    if slot.state is not SlotState.QUARANTINED:
+        return 0.0
+    return -1.0 if math.isinf(slot.fence_deadline) else max(0.0, slot.fence_deadline - now)
 
 
 def not_ready(daemon) -> list[str]:
@@ -118,6 +125,9 @@ def handle(daemon, msg: Message) -> Message:
                     raise errors.BadMessage(f"room {room.id} already finished ({room.state.value})", room=room.id)
             return RoomsReply(req=msg.req, rooms=[room_info(room, service.clock(), history=True)])
         if isinstance(msg, AdminPeers):
+            if msg.cut:
+                _writes_allowed(daemon, "cut a peer")
+                return daemon.cut(msg)  # the reply comes once the sessions are replaced
             if msg.drain:
                 _writes_allowed(daemon, "drain a peer")
                 service.drain(msg.drain)

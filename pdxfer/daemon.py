@@ -30,7 +30,7 @@ from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import UNDECODABLE, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, Role
+from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, label, primary
 from .peer_channel import PeerLink, PeerServer
@@ -367,7 +367,33 @@ class Daemon:
                 reply = Error(req=0, code=exc.code, message=exc.message)
             except UNDECODABLE as exc:
                 reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
+            if asyncio.iscoroutine(reply):  # an action that takes a while answers when done
+                self._oneshot(self._answer_admin_later(identity, reply))
+                continue
             self._admin.post(identity, self.codec.encode(reply))
+
+    async def _answer_admin_later(self, identity: bytes, pending) -> None:
+        try:
+            reply = await pending
+        except PdxferError as exc:
+            reply = Error(req=0, code=exc.code, message=exc.message)
+        self._admin.post(identity, self.codec.encode(reply))
+
+    def cut(self, msg: AdminPeers):
+        """Operator cut (``pdxfer peer P --cut``, decode side): replace every transfer
+        session of this daemon (Transport.reset: nothing sent through an old one lands
+        afterwards), then fence every fence-pending room and tell the prefills the new
+        sessions. Checked now; returns the coroutine that does it and answers."""
+        if self.config.role is not Role.DECODE:
+            raise Unsupported("a cut runs on the decode daemon: it owns the memory that writes land in; a prefill's memory is only read")
+        self.service.check_cut(msg.cut)
+        return self._cut(msg)
+
+    async def _cut(self, msg: AdminPeers) -> Message:
+        sessions = await asyncio.wrap_future(self.pump.cut())
+        self._transport_reset(sessions)
+        self.service.cut_done(msg.cut, sessions)
+        return PeersReply(req=msg.req, peers=self.service.peer_infos(self.service.clock(), time.time()))
 
     def _observe(self, room, left, now: float) -> None:
         """The room table's observer with debug logging: metrics, and one line per transition."""

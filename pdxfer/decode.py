@@ -8,11 +8,16 @@ PeerHello describing this side's pools. Every link heartbeats; a prefill that st
 answering, drops its connection, or answers under a new incarnation is declared dead
 and exactly the rooms on that link fail.
 
-Fencing. A failed room's slot and pages are released once the prefill confirms it
-has nothing in flight for the room, or, failing that, once its lease ran out: the
-prefill submits no write for a room later than the transfer timeout after it began
-writing, so ``fence_timeout`` past that, nothing can land. A prefill proven gone (a
-new incarnation answered at its address) fences its rooms at once.
+Fencing (S2). A failed room's slot and pages go back to the engine only on proof that
+no write aimed at them can land: the prefill confirms it has nothing in flight for the
+room (room_failed with fenced, or its aux record, which it sends only after its writes
+completed); a new incarnation of it answers at its address (the old process is gone);
+or this daemon cut every transfer session into it (``cut``: Transport.reset guarantees
+that nothing sent through an old session lands afterwards). No clock is proof: a prefill
+frozen with writes queued inside its transfer engine sends them when it resumes,
+whatever leases ran out meanwhile. Until one of those, the room is *fence-pending*:
+failed, not fenced, its slot quarantined with no deadline, visible in ``pdxfer rooms``,
+``slots``, ``peers`` and the metrics, and ``pdxfer peer P --cut`` ends it.
 
 Leave to write. That lease starts on the prefill's clock, when it starts writing, and
 a prefill that stood still (SIGSTOP, swap) or sat behind a partition may read a room's
@@ -29,6 +34,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -100,7 +106,7 @@ class PrefillLink:
     session: str = ""
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
-    unfenced: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) waiting for this prefill
+    unfenced: dict[int, tuple[int, int]] = field(default_factory=dict)  # released rooms' (slot, generation) waiting for this prefill
     draining: bool = False
     beat_wall: float = 0.0  # wall clock when the last heartbeat left
     rtt: float = -1.0  # seconds, from the last answered heartbeat
@@ -143,6 +149,7 @@ class DecodeService(RoomService):
         self.name = ""  # stable name peers know this daemon by
         self.probe_base = 0
         self.engine_release = ""  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
+        self.cuts = 0  # operator cuts of this daemon's transfer sessions
         self.open_link: Callable[[str], None] = lambda endpoint: None
         self.close_link: Callable[[str], None] = lambda endpoint: None
         self.send_link: Callable[[str, Message], None] = lambda endpoint, message: None
@@ -268,8 +275,10 @@ class DecodeService(RoomService):
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
         if isinstance(msg, AuxRecord):  # every room's, so asked first
             room = self._room_of(link, msg.room)
-            if room is not None:  # else dropped or never ours; nothing to change
+            if room is not None:
                 self._aux_record(link, room, msg)
+            else:  # the prefill sends aux only after its writes completed
+                self._confirmed_released(link, msg.room)
             return
         if isinstance(msg, HeartbeatAck):
             now = self.clock()
@@ -294,8 +303,10 @@ class DecodeService(RoomService):
             self._peer_error(link, msg)
             return
         room = self._room_of(link, msg.room)
-        if room is None:
-            return  # dropped or never ours; nothing to change
+        if room is None:  # released by its engine, or never ours
+            if isinstance(msg, RoomFailed) and msg.fenced:
+                self._confirmed_released(link, msg.room)
+            return
         if isinstance(msg, RoomAccepted):
             self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
             if msg.input_ready:
@@ -309,6 +320,13 @@ class DecodeService(RoomService):
                 self.fenced(room)
         else:
             raise errors.BadMessage(f"a decode daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
+
+    def _confirmed_released(self, link: PrefillLink, room_id: int) -> None:
+        """The prefill has nothing in flight for a failed room no longer in the table
+        (its engine released it): the room's quarantined slot may go."""
+        held = link.unfenced.pop(room_id, None)
+        if held is not None:
+            self._aux().slots.fence(*held, self.clock())
 
     def _started(self, room: Room) -> None:
         self.rooms.apply(room, Event.INPUT_READY, self.clock())
@@ -462,7 +480,7 @@ class DecodeService(RoomService):
             if not link.rooms and now - link.last_heard > max(IDLE_LINK_SECONDS, 10 * limit):
                 self._forget_link(link)
                 continue
-            link.unfenced = {(s, g) for s, g in link.unfenced if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
+            link.unfenced = {r: (s, g) for r, (s, g) in link.unfenced.items() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
             if link.connected and now - link.last_beat >= interval:
                 if link.beats and link.last_heard < link.last_beat:
                     self.heartbeat_misses += 1  # not a word since the last one
@@ -509,21 +527,53 @@ class DecodeService(RoomService):
         link.incarnation, link.ready = incarnation, False
         link.offsets.clear()  # perhaps another host's clock
         self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
+        self._fence_link(link)
+        self.send_link(link.endpoint, self.hello())
+
+    def _fence_link(self, link: PrefillLink) -> None:
+        """Nothing the link's prefill sent can land any more: its failed rooms, and the
+        slots of those the engine already released, are fenced."""
         for room_id in list(link.rooms):
             room = self.rooms.find(room_id)
             if room is not None:
                 self.fenced(room)
-        for slot, generation in link.unfenced:  # rooms the engine already released
+        for slot, generation in link.unfenced.values():
             self._aux().slots.fence(slot, generation, self.clock())
         link.unfenced.clear()
-        self.send_link(link.endpoint, self.hello())
+
+    def fence_pending(self, link: PrefillLink) -> int:
+        """Failed rooms of this link (released by their engine or not) still waiting
+        for proof that nothing of them can land."""
+        slots = self._aux().slots.slots
+        return sum(1 for s, g in link.unfenced.values() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED)
+
+    def check_cut(self, peer: str) -> list[PrefillLink]:
+        """The links an operator's cut names (pdxfer peer P --cut); raises if none."""
+        matched = [link for link in self.links.values() if peer in link.endpoint]
+        if not matched:
+            raise errors.PdxferError(f"no prefill link matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
+        return matched
+
+    def cut_done(self, peer: str, sessions) -> int:
+        """This daemon's transfer sessions were replaced (Transport.reset): nothing any
+        prefill sent through the old ones can land, so every fence-pending room is
+        fenced, on every link (a cut is not selective); peers learn the new sessions.
+        Returns how many rooms and released slots it fenced."""
+        self.sessions = sessions
+        fenced = sum(self.fence_pending(link) for link in self.links.values())
+        for link in self.links.values():
+            self._fence_link(link)
+        log.warning("operator cut (peer %r): transfer sessions replaced by %s; %d fence-pending rooms fenced", peer, ",".join(sessions), fenced)
+        self.cuts += 1
+        self.on_kv_registered()
+        return fenced
 
     # --- hooks
 
     def fence_deadline(self, room: Room, now: float) -> float:
-        w = self.work.get(room.id)
-        started = w.started if w is not None and w.started else now
-        return max(now, started + self.config.transfer_timeout) + self.config.fence_timeout
+        """Never by a clock (S2): a frozen prefill's queued writes land whenever it
+        resumes. Only a proof fences (see the module docstring)."""
+        return math.inf
 
     def stop_writes(self, room: Room) -> bool:
         w = self.work.get(room.id)
@@ -537,9 +587,11 @@ class DecodeService(RoomService):
             self.never_sent(room, held)
         if w.peer_fenced:
             return True
-        # Its RoomFailed(fenced) reply, or the lease, fences us.
+        # Its RoomFailed(fenced) reply, its restart, or a cut fences us; nothing else.
         if link is not None and room.slot >= 0:
-            link.unfenced.add((room.slot, room.generation))
+            link.unfenced[room.id] = (room.slot, room.generation)
+        log.warning("room %d: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
+                    room.id, room.slot, w.link, w.link.removeprefix("tcp://"))
         return False
 
     def still_wanted(self, payload: bytes) -> bool:
@@ -585,7 +637,7 @@ class DecodeService(RoomService):
                 address=link.endpoint, name=link.endpoint, incarnation=link.incarnation,
                 state="draining" if link.draining else ("alive" if link.ready else "connecting"),
                 last_heard=now - link.last_heard, rtt_ms=link.rtt * 1000 if link.rtt >= 0 else -1.0,
-                clock_skew_ms=link.skew * 1000, rooms=len(link.rooms),
+                clock_skew_ms=link.skew * 1000, rooms=len(link.rooms), fence_pending=self.fence_pending(link),
             )
             for link in self.links.values()
         ]

@@ -353,12 +353,18 @@ def cmd_peers(args) -> int:
 
 def cmd_peer(args) -> int:
     def body(args, admin: AdminClient) -> int:
-        reply = admin.call(AdminPeers, drain=args.peer if args.drain else "")
+        pending = 0
+        if args.cut:
+            before = admin.call(AdminPeers)
+            pending = sum(p.fence_pending for p in before.peers)
+        reply = admin.call(AdminPeers, drain=args.peer if args.drain else "", cut=args.peer if args.cut else "")
         matched = [p for p in reply.peers if args.peer in p.address or args.peer in p.name]
         if not matched:
             raise CommandError(f"no peer matches {args.peer!r} (known: {', '.join(p.address for p in reply.peers) or 'none'})", EXIT_REFUSED)
         if args.drain and not args.json:
             print(f"draining {len(matched)} peer(s): no new rooms with them; their {sum(p.rooms for p in matched)} room(s) finish")
+        if args.cut and not args.json:
+            print(f"cut: transfer sessions replaced; {pending} fence-pending room(s) fenced, their pages free for reuse")
         show_peers(args, matched, None)
         return 0
 
@@ -382,7 +388,7 @@ def slots_summary(slots: list[SlotInfo]) -> str:
 def slots_table(slots: list[SlotInfo]) -> str:
     rows = [
         (s.index, s.state, s.room or "-", s.generation or "-", tables.duration(s.since),
-         tables.duration(s.fence_in) if s.state == "quarantined" else "-")
+         ("pending" if s.fence_in < 0 else tables.duration(s.fence_in)) if s.state == "quarantined" else "-")
         for s in slots
     ]
     return tables.table(SLOT_COLUMNS, rows, right=("SLOT", "ROOM", "GEN", "SINCE", "FENCE IN"))

@@ -115,19 +115,26 @@ def add_commands(sub) -> None:
     )
 
     peer = _command(
-        sub, "peer", "show the peers matching P; --drain stops new rooms with them",
+        sub, "peer", "show the peers matching P; --drain stops new rooms with them; --cut fences their rooms",
         "Show the peers whose address or name contains P. With --drain, stop new rooms with them (the rooms\n"
-        "they hold finish); the daemon must run with --admin-writes. A drain lasts until the daemon restarts.",
+        "they hold finish); the daemon must run with --admin-writes. A drain lasts until the daemon restarts.\n"
+        "With --cut (decode daemon, --admin-writes), end the rooms that are fence-pending because a prefill\n"
+        "stopped answering (frozen, partitioned, or dead with no successor): the decode daemon replaces every\n"
+        "transfer session it has, so nothing any prefill sent through the old ones can land, fences every\n"
+        "fence-pending room (their engines may reuse the pages), and tells every prefill its new sessions.\n"
+        "Writes in flight from healthy prefills fail too: their rooms fail and their engines may retry.",
         "print {\"peers\": [...]} of the matching peers", _lazy("inspection", "cmd_peer"),
     )
     peer.add_argument("peer", metavar="P", help="part of the peer's address or name, e.g. 10.0.0.5:8998")
     peer.add_argument("--drain", action="store_true", help="operator action: no new rooms with the matching peers (needs --admin-writes)")
+    peer.add_argument("--cut", action="store_true", help="operator action on a decode daemon: replace its transfer sessions and fence every fence-pending room (needs --admin-writes)")
 
     slots = _command(
         sub, "slots", "show the aux slot table: free, held (granted/armed/written), quarantined",
         "Show the aux slot table: each slot's state (free; held: granted to the engine, armed for a room,\n"
         "written with a verified record; quarantined until its failed room is fenced), owner room,\n"
-        "generation, time in that state, and for quarantined slots the time left to the fence deadline.",
+        "generation, time in that state, and for quarantined slots the time left to the fence deadline\n"
+        "('pending' on a decode daemon: held until the prefill confirms, restarts, or `pdxfer peer P --cut`).",
         "print {\"slots\": [...]}, every slot (or those in --state)", _lazy("inspection", "cmd_slots"),
     )
     slots.add_argument("--state", choices=SLOT_STATES, help="only slots in this state")

@@ -110,6 +110,11 @@ class _Collector:
         for state, n in service.peer_states().items():
             peers.add_metric([state], n)
         yield peers
+        yield GaugeMetricFamily(
+            "pdxfer_fence_pending_rooms",
+            "Failed rooms whose pages and slot wait for their writer's proof that nothing is in flight, or an operator cut (decode side)",
+            value=sum(p.fence_pending for p in service.peer_infos(service.clock(), 0.0)),
+        )
         queues = GaugeMetricFamily("pdxfer_queue_depth", "Writes in flight and jobs waiting in the transfer pump", labels=["queue"])
         for name, n in pump.depths().items():
             queues.add_metric([name], n)

@@ -507,6 +507,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     rtt_ms: float  # heartbeat round trip (decode side; -1 where unknown)
     clock_skew_ms: float  # peer's wall clock minus ours, estimated from heartbeats (0 where unknown)
     rooms: int
+    fence_pending: int = 0  # decode side: failed rooms whose pages wait for this prefill's proof (or a cut)
 
 
 class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -515,7 +516,7 @@ class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     room: int
     generation: int
     since: float  # seconds in this state
-    fence_in: float = 0.0  # quarantined: seconds until the fence deadline
+    fence_in: float = 0.0  # quarantined: seconds until the fence deadline; -1: no deadline, waits for its writer's proof or a cut
 
 
 class AdminRooms(Message, tag="admin_rooms"):
@@ -535,10 +536,14 @@ class AdminRoom(Message, tag="admin_room"):
 
 
 class AdminPeers(Message, tag="admin_peers"):
-    """The peer table; with ``drain`` (needs --admin-writes) stop new rooms with that peer."""
+    """The peer table; with ``drain`` (needs --admin-writes) stop new rooms with that peer.
+    With ``cut`` (decode side, needs --admin-writes) replace every transfer session of this
+    daemon, so nothing a matching (or any) prefill sent can land, and fence every
+    fence-pending room; the reply comes once that is done."""
 
     req: ReqId
     drain: str = ""
+    cut: str = ""
 
 
 class AdminSlots(Message, tag="admin_slots"):

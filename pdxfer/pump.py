@@ -26,6 +26,7 @@ STALL_MIN_RATE.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -111,6 +112,7 @@ class TransferPump:
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
         self._cancels = False  # a job was cancelled since the last round
         self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
+        self._cuts: list[concurrent.futures.Future] = []  # operator cuts waiting for nothing in flight
 
     def start(self) -> None:
         # At the normal policy even in a daemon that yields the cores (cpu_yield.py):
@@ -129,6 +131,15 @@ class TransferPump:
         job.cancelled = True
         self._cancels = True
         self._wake.set()
+
+    def cut(self) -> concurrent.futures.Future:
+        """Re-create the transport once nothing is in flight, on this thread (the only
+        one that calls it); resolves to the new sessions. Transport.reset guarantees
+        that nothing sent through an old session lands afterwards."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cuts.append(future)
+        self._wake.set()
+        return future
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
@@ -204,7 +215,23 @@ class TransferPump:
         if self._reset_wanted and not any(p.in_flight for p in self._peers.values()):
             self._reset()
             progressed = True
+        if self._cuts and not any(p.in_flight for p in self._peers.values()):
+            self._cut()
+            progressed = True
         return progressed
+
+    def _cut(self) -> None:
+        cuts, self._cuts = self._cuts, []
+        try:
+            renewed = self.transport.reset()
+        except Exception as exc:
+            for future in cuts:
+                future.set_exception(exc)
+            raise
+        self.resets += 1
+        self.loop.call_soon_threadsafe(self.on_reset, renewed)
+        for future in cuts:
+            future.set_result(renewed)
 
     def _fill(self, sessions: Peer, peer: _Peer) -> bool:
         progressed = False

@@ -9,6 +9,7 @@ generous slack, because other CPU-heavy work shares this 2-core machine.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -131,6 +132,33 @@ def assert_nothing_written(prefill_daemon, blocks_before: float, case: RoomCase,
     assert daemon_counters(prefill_daemon.ready["admin"])["blocks_submitted"] == blocks_before
     for region, (arr, data) in enumerate(zip(case.decode.kv.arrays(), reused)):
         assert np.array_equal(arr[case.dst], data), f"KV region {region}: a write landed in released pages"
+
+
+def kill(daemon, sig=signal.SIGKILL) -> float:
+    daemon.proc.send_signal(sig)
+    return time.monotonic()
+
+
+class Freezer:
+    """Stops (SIGSTOP) and resumes (SIGCONT) a daemon. ``thaw`` in a test's teardown
+    resumes one still stopped (an assertion failed while it was frozen), so the
+    daemon fixture can stop it."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.stopped = False
+
+    def stop(self) -> float:
+        self.stopped = True
+        return kill(self.daemon, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        kill(self.daemon, signal.SIGCONT)
+        self.stopped = False
+
+    def thaw(self) -> None:
+        if self.stopped:
+            self.resume()
 
 
 def room_ids(cases) -> list[int]:

@@ -381,7 +381,7 @@ def test_slots_json_and_table(scene):
     assert (table[index]["state"], table[index]["room"], table[index]["generation"]) == ("written", 2, gen)
     index, gen = s.slots["d", 11]
     assert (table[index]["state"], table[index]["room"], table[index]["generation"]) == ("quarantined", 11, gen)
-    assert table[index]["fence_in"] > 300  # transfer timeout (600 s) + fence timeout (10 s) after the abort
+    assert table[index]["fence_in"] == -1  # no deadline: held until the prefill confirms, restarts, or a cut (S2)
     for room in (6, 8, 9, 12):
         index, gen = s.slots["d", room]
         assert (table[index]["state"], table[index]["room"]) == ("armed", room)
@@ -393,6 +393,7 @@ def test_slots_json_and_table(scene):
     assert re.split(r"\s{2,}", out[0].strip()) == list(inspect_mod.SLOT_COLUMNS)
     assert out[-1].startswith("16 slots: 10 free, 5 held (granted 0, armed 4, written 1), 1 quarantined")
     assert len(out) == 1 + 6 + 1  # header, the six slots that are not free, summary
+    assert [line.split()[-1] for line in out[1:-1] if line.split()[1] == "quarantined"] == ["pending"]
     assert len(s.cli(s.decode, "slots", "--all").stdout.splitlines()) == 1 + 16 + 1
 
 

@@ -254,12 +254,12 @@ def test_partition_longer_than_the_heartbeat_bound_fails_rooms_in_flight_then_he
 
 
 def test_a_request_held_up_by_a_partition_past_its_leave_to_write_writes_nothing(net):
-    """The decode side gives up on a room while the link is down and, once its lease
-    and fence timeout pass, releases the room's pages, which another room then fills.
-    The prefill, whose heartbeat bound is longer than the partition, still knows the
+    """The decode side gives up on a room while the link is down (and keeps its pages,
+    fence-pending, with sentinel bytes the test wrote into them). The prefill, whose heartbeat bound is longer than the partition, still knows the
     decode daemon when the link heals, holds the room's input, and only then reads the
     room's request (retransmitted by TCP). The request's leave to write has run out, so
-    the prefill starts no write: not one block, whatever the two daemons' settings."""
+    the prefill starts no write: not one block, whatever the two daemons' settings; it
+    says so, and only then is the room fenced."""
     # Prefill: 20 s of silence before it declares a peer dead; rooms wait up to 30 s.
     p = net.start("prefill", "--heartbeat-misses", "100", "--bootstrap-timeout", "30")
     # Decode: leave to write 1.5 s after sending (lease 1 s + fence 0.5 s).
@@ -276,10 +276,9 @@ def test_a_request_held_up_by_a_partition_past_its_leave_to_write_writes_nothing
         try:
             late = start_room(cp, cd, bootstrap, 101, pages(1), pages(1), seed=1, send=False)  # its request sits in TCP's buffers
             send_room(late)  # the prefill holds the input, waiting for the request
-            status = cd.wait(late.id, timeout=HB_BOUND + 1.5 + SLACK)
-            assert status.state is F and status.fenced, status
-            cd.release(late.id)
-            reused = reuse_pages(late, 0xA5)  # another room's bytes now
+            status = wait_until(lambda: (s := cd.poll(late.id)).state is F and s, HB_BOUND + SLACK, "the decode to fail the room")
+            assert not status.fenced, "its writer is cut off, not proven idle: fence-pending (S2)"
+            reused = reuse_pages(late, 0xA5)  # sentinel bytes in the held pages: any write that lands shows
             time.sleep(max(0.0, 3.5 - (time.monotonic() - t_down)))
         finally:
             net.set_link(True)
@@ -287,6 +286,7 @@ def test_a_request_held_up_by_a_partition_past_its_leave_to_write_writes_nothing
         failed = wait_until(lambda: all_in(cp, [late.id], F), 10 + SLACK, "the prefill to read the late request")[late.id]
         assert failed.code.value == "lease_expired" and "leave to write ran out" in failed.reason, failed
         assert_nothing_written(p, blocks_before, late, reused)
+        assert cd.wait(late.id, timeout=SLACK).fenced  # the prefill confirmed once the link healed
         assert p.alive() and d.alive()
     finally:
         cp.close()
