@@ -51,6 +51,10 @@ def test_a_second_daemon_with_a_live_daemons_name_refuses_and_leaves_its_sockets
     line = refusal(serve("prefill", runtime_dir, "--bootstrap-port", "0"))
     assert f"pid {first.proc.pid}" in line and "--name" in line, line
     assert [inode(p) for p in sockets] == before  # neither unlinked nor replaced
+    # Another name given the live daemon's socket (or a daemon from before name locks): refused too.
+    line = refusal(serve("prefill", runtime_dir, "--name", "other", "--bootstrap-port", "0", "--engine-endpoint", first.ready["engine"]))
+    assert f"{sockets[0]} (--engine-endpoint) is in use by a live process" in line, line
+    assert [inode(p) for p in sockets] == before
     # The first daemon still answers its operators on its admin socket.
     rooms = subprocess.run([sys.executable, "-m", "pdxfer", "rooms", "--name", "prefill", "--runtime-dir", runtime_dir],
                            capture_output=True, text=True, timeout=60)
