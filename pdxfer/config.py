@@ -39,7 +39,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     role: Annotated[Role, _doc("which side this daemon serves: prefill (writes KV) or decode (receives it)")]
     name: Annotated[str, _doc("instance name, used in socket paths and logs; default: the role")] = ""
     runtime_dir: Annotated[
-        str, _doc("directory for the engine socket (created owner-only); default: $XDG_RUNTIME_DIR/pdxfer or /tmp/pdxfer-UID")
+        str, _doc("directory for the engine and admin sockets and the name lock: created owner-only when missing; an existing one must be ours and owner-only; default: $XDG_RUNTIME_DIR/pdxfer or /tmp/pdxfer-UID")
     ] = ""
     engine_endpoint: Annotated[
         str, _doc("ZMQ endpoint engines connect to; default: ipc://RUNTIME_DIR/NAME.engine.sock (tcp:// allowed)")
