@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(MOONCAKE_EXTRA)
 APT_PACKAGES := libibverbs1 libnuma1 etcd-server iproute2
 PYTEST_ARGS ?=
 
-.PHONY: demo bench soak test deps system-deps schema clean
+.PHONY: demo bench soak test test-py310 deps system-deps schema clean
 
 demo: deps
 	$(VENV)/bin/pdxfer demo
@@ -29,6 +29,17 @@ soak: deps
 
 test: deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Python 3.10, the Python of many engine images: an import of every module and the
+# config tests, in a virtual environment of its own (unpinned: the pinned numpy needs
+# 3.11). Needs a python3.10 (pyenv's, or Debian's/deadsnakes' python3.10).
+PYTHON310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
+VENV310 ?= .venv310
+test-py310:
+	test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install -q -e . pytest==9.2.0
+	$(VENV310)/bin/python -c "import importlib, pkgutil, pdxfer; mods = [m.name for m in pkgutil.walk_packages(pdxfer.__path__, 'pdxfer.') if not m.name.endswith('__main__')]; [importlib.import_module(m) for m in mods]; print(len(mods), 'modules import on', __import__('sys').version.split()[0])"
+	$(VENV310)/bin/python -m pytest -q -p no:cacheprovider tests/test_config.py
 
 deps: $(STAMP)
 

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run a daemon beside a prefill or decode engine",
         description="Run a pdxfer daemon. Options come from flags, PDXFER_* environment variables and an optional "
-        "TOML file, in that order of precedence. Prints one JSON 'ready' line on stdout once it serves.",
+        "TOML file (keys spelt as the flags, e.g. bootstrap-port, or with underscores), in that order of precedence; "
+        "an empty PDXFER_* variable counts as unset. Prints one JSON 'ready' line on stdout once it serves.",
     )
     _add_config_flags(serve)
     serve.set_defaults(func=cmd_serve)

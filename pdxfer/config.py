@@ -8,8 +8,13 @@ Each field's description is its ``--help`` text, so the two cannot drift.
 from __future__ import annotations
 
 import os
-import tomllib
+import re
 from typing import Annotated, Any, Literal, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject asks for it there)
+    import tomli as tomllib
 
 import msgspec
 
@@ -34,7 +39,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     role: Annotated[Role, _doc("which side this daemon serves: prefill (writes KV) or decode (receives it)")]
     name: Annotated[str, _doc("instance name, used in socket paths and logs; default: the role")] = ""
     runtime_dir: Annotated[
-        str, _doc("directory for the engine socket (created owner-only); default: $XDG_RUNTIME_DIR/pdxfer or /tmp/pdxfer-UID")
+        str, _doc("directory for the engine and admin sockets and the name lock: created owner-only when missing; an existing one must be ours and owner-only; default: $XDG_RUNTIME_DIR/pdxfer or /tmp/pdxfer-UID")
     ] = ""
     engine_endpoint: Annotated[
         str, _doc("ZMQ endpoint engines connect to; default: ipc://RUNTIME_DIR/NAME.engine.sock (tcp:// allowed)")
@@ -177,26 +182,89 @@ def load(
     file: str | None = None,
 ) -> Config:
     """Build the config from a TOML file, the environment and flags (None values in
-    ``flags`` mean 'not given')."""
+    ``flags`` mean 'not given'; an empty environment variable is unset, as a
+    ConfigMap key left blank leaves it). An invalid value is refused naming where it
+    came from: the flag, the variable, or the file and line."""
     env = os.environ if env is None else env
+    names = {name for name, _, _ in fields()}
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}  # option -> where its value was given
     path = file or env.get(ENV_PREFIX + "CONFIG")
     if path:
-        with open(path, "rb") as fh:
-            values.update(tomllib.load(fh))
-    names = {name for name, _, _ in fields()}
+        for name, (value, where) in read_toml(path, names).items():
+            values[name], origins[name] = value, where
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in names:
             raise ValueError(f"unknown environment variable {key} (options: {', '.join(sorted(names))})")
-        values[name] = raw
+        if raw != "":
+            values[name], origins[name] = raw, f"environment variable {key}"
     for name, value in (flags or {}).items():
         if value is not None and name in names:
-            values[name] = value
+            values[name], origins[name] = value, flag_of(name)
     values.setdefault("runtime_dir", default_runtime_dir(env))
     try:
         return msgspec.convert(values, Config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid configuration: {exc}") from None
+        raise ValueError(f"invalid configuration: {explain(str(exc), values, origins)}") from None
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def read_toml(path: str, names: set[str]) -> dict[str, tuple[Any, str]]:
+    """option -> (value, 'FILE line N (KEY)') from a TOML file whose keys are options,
+    spelt as in the flags (bootstrap-port) or with underscores (bootstrap_port)."""
+    with open(path, "rb") as fh:
+        text = fh.read().decode()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    lines = text.splitlines()
+
+    def line_of(key: str) -> int:
+        pattern = re.compile(rf"""^\s*["']?{re.escape(key)}["']?\s*[=.]""")
+        return next((n for n, line in enumerate(lines, 1) if pattern.match(line)), 0)
+
+    found: dict[str, tuple[Any, str]] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in names or isinstance(value, dict):
+            raise ValueError(f"{path} line {line_of(key)}: {key!r} is not an option (options, - or _ alike: {', '.join(sorted(names))})")
+        if name in found:
+            raise ValueError(f"{path} line {line_of(key)}: {key!r} sets {name} again (already set at {found[name][1]})")
+        found[name] = (value, f"{path} line {line_of(key)} ({key})")
+    return found
+
+
+def choices(name: str) -> list[str]:
+    """The valid values of an option that takes one of a few, else []."""
+    info = next(f.type for f in msgspec.inspect.type_info(Config).fields if f.name == name)
+    info = info.type if isinstance(info, msgspec.inspect.Metadata) else info
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return [str(v) for v in info.values]
+    if isinstance(info, msgspec.inspect.EnumType):
+        return [str(m.value) for m in info.cls]
+    return []
+
+
+def explain(error: str, values: Mapping[str, Any], origins: Mapping[str, str]) -> str:
+    """msgspec's 'Expected `int`, got `str` - at `$.bootstrap_port`' as a person would
+    act on it: where the value was given, the value, what was wrong, the choices."""
+    found = re.fullmatch(r"(.*) - at `\$\.(\w+)`", error)
+    if found is None:
+        missing = re.fullmatch(r"Object missing required field `(\w+)`", error)
+        if missing:
+            name = missing.group(1)
+            options = f" ({' or '.join(choices(name))})" if choices(name) else ""
+            return f"{name} is required: give {flag_of(name)}{options}, {ENV_PREFIX}{name.upper()} or {name} in the --config file"
+        return error
+    what, name = found.groups()
+    what = what.replace("`", "")
+    what = what[:1].lower() + what[1:]
+    options = f"; choose one of: {', '.join(choices(name))}" if choices(name) else ""
+    return f"{origins.get(name, name)} is {values.get(name)!r}: {what}{options}"

@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import zmq
 
-from . import admin, cpu_yield, memory, paths
+from . import admin, cpu_yield, memory, paths, preflight
 from .config import Config
 from .decode import DecodeService
 from .prefill import PrefillService
@@ -74,6 +74,7 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
+        self._name_lock: preflight.NameLock | None = None
 
     @property
     def session(self) -> str:
@@ -84,6 +85,8 @@ class Daemon:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
+        # Before anything starts: what would fail later with a traceback, or not at all.
+        self._name_lock = preflight.prepare(cfg, engine_needed=self.transport is None)
         self.seal = Seal(self.incarnation, read_secret(cfg.cluster_secret_file))
         self._ctx = zmq.Context()
         for step in paths.startup_steps(cfg.device):
@@ -264,6 +267,8 @@ class Daemon:
         self._stopping.set()
 
     async def stop(self) -> None:
+        if self._name_lock is None:  # refused before anything started
+            return
         if self.yielding is not None:  # shut down at the normal policy, and leave the process as it was
             cpu_yield.take_back()
             self.yielding = None
@@ -297,6 +302,8 @@ class Daemon:
                     pool.memory.close()
             for _, mapping in self.service.retired:
                 mapping.close()
+        if self._name_lock is not None:  # only now that our sockets are gone may a successor take the name
+            self._name_lock.release()
         log.info("pdxfer %s daemon %s stopped", self.config.role.value, self.config.instance)
 
     # --- supervised tasks

@@ -97,7 +97,34 @@ def _engine_fix(error: str) -> str:
         return "apt-get install libibverbs1 libnuma1: the transfer engine links against both, even for tcp"
     if "cuda" in error.lower():
         return "this is the CUDA build on a host without CUDA: pip install mooncake-transfer-engine-non-cuda instead (make deps picks the right one)"
-    return "pip install mooncake-transfer-engine-non-cuda (CPU hosts) or mooncake-transfer-engine (CUDA hosts); make deps picks the right one"
+    return f"{engine_install_command()} (make deps picks the right build)"
+
+
+def cuda_host() -> bool:
+    """Whether the transfer engine's CUDA build can import here: a driver (nvidia-smi)
+    and libcudart, as the Makefile judges it."""
+    return bool(shutil.which("nvidia-smi") and ctypes.util.find_library("cudart"))
+
+
+def engine_install_command() -> str:
+    """The command that installs the transfer engine build this host can import."""
+    return "pip install 'pdxfer[mooncake]'" if cuda_host() else "pip install 'pdxfer[mooncake-cpu]'"
+
+
+def check_engine_installed() -> Check:
+    """Is the transfer engine there at all (without importing it: a daemon imports it
+    later, where its child process may run it)?"""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("mooncake") is not None
+    except ImportError:
+        found = False
+    if found:
+        return Check("transfer engine", "OK", "the mooncake package is installed")
+    where = "this host has CUDA" if cuda_host() else "this host has no CUDA (no nvidia-smi or libcudart)"
+    return Check("transfer engine", "FAIL", f"the Mooncake transfer engine is not installed for {sys.executable}",
+                 f"{engine_install_command()} ({where}); pdxfer alone installs no transfer engine")
 
 
 def rdma_devices() -> dict[str, list[str]]:
@@ -235,28 +262,95 @@ def check_runtime_dir(s: Settings) -> Check:
     path = s.runtime_dir
     names = [s.name] if s.name else [s.role] if s.role else ["prefill", "decode"]
     longest = max((os.path.join(path, f"{n}.engine.sock") for n in names), key=len)
+    return check_socket_dir("runtime dir", "--runtime-dir", path, longest)
+
+
+def check_socket_dir(what: str, flag: str, path: str, longest: str) -> Check:
+    """A directory the daemon's ipc sockets go in (``longest``: the longest of their
+    paths), named by ``flag``: the paths must fit sun_path, and the directory must be
+    ours and owner-only, or creatable. An existing directory is never chmod-ed: it may
+    be shared (/tmp), and changing its mode would lock its other users out."""
     if len(longest.encode()) > SOCKET_PATH_MAX:
-        return Check("runtime dir", "FAIL", f"socket path {longest} is {len(longest.encode())} bytes; ipc socket paths hold {SOCKET_PATH_MAX}",
-                     "choose a shorter --runtime-dir (or --name)")
+        return Check(what, "FAIL", f"socket path {longest} is {len(longest.encode())} bytes; ipc socket paths hold {SOCKET_PATH_MAX}",
+                     f"choose a shorter {flag}" + (" (or --name)" if flag == "--runtime-dir" else ""))
     if not os.path.exists(path):
         parent = os.path.dirname(os.path.abspath(path))
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return Check(what, "FAIL", f"{path} cannot be created: {parent} is not a directory", f"choose another {flag}")
         if os.access(parent, os.W_OK | os.X_OK):
-            return Check("runtime dir", "OK", f"{path} does not exist yet; the daemon creates it owner-only (0700)")
-        return Check("runtime dir", "FAIL", f"{path} does not exist and {parent} is not writable by uid {os.getuid()}",
-                     "create it for the daemon's user (install -d -m 700 DIR) or choose --runtime-dir")
+            return Check(what, "OK", f"{path} does not exist yet; the daemon creates it owner-only (0700)")
+        return Check(what, "FAIL", f"{path} does not exist and {parent} is not writable by uid {os.getuid()}",
+                     f"create it for the daemon's user (install -d -m 700 DIR) or choose {flag}")
+    if not os.path.isdir(path):
+        return Check(what, "FAIL", f"{path} is not a directory", f"choose another {flag}")
     st = os.stat(path)
     mode = st.st_mode & 0o777
     if st.st_uid != os.getuid():
-        return Check("runtime dir", "FAIL", f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})",
-                     "run the daemon as that user, chown the directory, or choose --runtime-dir")
+        return Check(what, "FAIL", f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})",
+                     f"run the daemon as that user, or choose a {flag} of its own (pdxfer creates a missing one owner-only)")
     if not os.access(path, os.W_OK | os.X_OK):
-        return Check("runtime dir", "FAIL", f"{path} (mode {mode:04o}) is not writable", f"chmod 700 {path}")
+        return Check(what, "FAIL", f"{path} (mode {mode:04o}) is not writable", f"chmod 700 {path}")
     if mode & 0o077:
-        return Check("runtime dir", "WARN", f"{path} has mode {mode:04o}: other users can reach the sockets in it until a daemon starts (it sets 0700)",
-                     f"chmod 700 {path}")
-    return Check("runtime dir", "OK", f"{path}, owner-only ({mode:04o}), socket paths fit ({len(longest.encode())} of {SOCKET_PATH_MAX} bytes)")
+        return Check(what, "FAIL", f"{path} has mode {mode:04o}: other users could reach the daemon's sockets in it, "
+                     "and pdxfer does not change the mode of a directory it did not create",
+                     f"choose a {flag} of its own (pdxfer creates a missing one owner-only), or chmod 700 {path} if nothing else uses it")
+    return Check(what, "OK", f"{path}, owner-only ({mode:04o}), socket paths fit ({len(longest.encode())} of {SOCKET_PATH_MAX} bytes)")
+
+
+def check_host(host: str) -> Check:
+    """--host must resolve to an address of this machine (the daemon binds it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return Check("host", "FAIL", f"--host {host} does not resolve: {exc.strerror}",
+                     "give --host an address of this host (ip -brief address) or a name that resolves to one")
+    family, _, _, _, address = infos[0]
+    with socket.socket(family) as sock:
+        try:
+            sock.bind((address[0], 0))
+        except OSError as exc:
+            return Check("host", "FAIL", f"--host {host} ({address[0]}) is not an address of this machine: {exc.strerror}",
+                         "use an address of one of this host's interfaces (ip -brief address)")
+    return Check("host", "OK", f"{host} ({address[0]}) is an address of this machine")
+
+
+def port_holder(port: int) -> str:
+    """Which process listens on TCP ``port``, as the OS says (/proc/net/tcp*, then the
+    process whose file descriptors hold that socket); "" where it cannot be seen."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return ""
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target in inodes:
+                pid = fd_dir.split("/")[2]
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                        command = " ".join(fh.read().decode(errors="replace").replace("\0", " ").split())
+                except OSError:
+                    command = ""
+                return f"pid {pid}" + (f" ({command[:120]})" if command else "")
+    return ""
 
 
 def check_port(what: str, flag: str, host: str, port: int, live: dict[int, str]) -> Check:
@@ -271,12 +365,16 @@ def check_port(what: str, flag: str, host: str, port: int, live: dict[int, str])
             if exc.errno == errno.EADDRINUSE:
                 if port in live:
                     return Check(what, "OK", f"{host}:{port} is in use by the running {live[port]}")
-                return Check(what, "FAIL", f"{host}:{port} is in use by another process",
-                             f"stop it, or choose another {flag} (ss -ltnp 'sport = :{port}' names the process)")
+                holder = port_holder(port)
+                named = f"{holder} holds it" if holder else f"ss -ltnp 'sport = :{port}' names the process"
+                return Check(what, "FAIL", f"{host}:{port} is in use by another process", f"stop it, or choose another {flag} ({named})")
             if exc.errno == errno.EADDRNOTAVAIL:
                 return Check(what, "FAIL", f"--host {host} is not an address of this machine", "use an address of one of this host's interfaces (ip -brief address)")
             if exc.errno == errno.EACCES:
                 return Check(what, "FAIL", f"port {port} needs privileges to bind", f"choose {flag} above 1023, or grant CAP_NET_BIND_SERVICE")
+            if isinstance(exc, socket.gaierror):
+                unresolved = check_host(host)
+                return Check(what, "FAIL", unresolved.detail, unresolved.fix)
             return Check(what, "FAIL", f"cannot bind {host}:{port}: {exc.strerror}", f"choose another {flag} or --host")
     return Check(what, "OK", f"{host}:{port} is free")
 

@@ -161,12 +161,13 @@ def compat_hash(compat: Compat) -> str:
     return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()[:16]
 
 
-def compat_diff(ours: Compat, theirs: Compat) -> list[str]:
-    """Each field that differs, as 'name: ours=X theirs=Y'."""
+def compat_diff(prefill: Compat, decode: Compat) -> list[str]:
+    """Each field that differs, as 'name: prefill=X decode=Y': the refusal is read in
+    both sides' logs, where 'ours' would mean the opposite."""
     return [
-        f"{name}: ours={getattr(ours, name)!r} theirs={getattr(theirs, name)!r}"
-        for name in ours.__struct_fields__
-        if getattr(ours, name) != getattr(theirs, name)
+        f"{name}: prefill={getattr(prefill, name)!r} decode={getattr(decode, name)!r}"
+        for name in prefill.__struct_fields__
+        if getattr(prefill, name) != getattr(decode, name)
     ]
 
 

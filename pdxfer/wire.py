@@ -25,7 +25,6 @@ import hashlib
 import hmac
 import logging
 import os
-import stat
 
 import asyncio
 from typing import Callable
@@ -48,14 +47,12 @@ def _tune(sock: zmq.Socket, max_bytes: int, hwm: int) -> None:
 
 
 def prepare_ipc(endpoint: str) -> None:
-    """Create an ipc endpoint's directory owner-only and clear a stale socket file."""
+    """Create an ipc endpoint's directory owner-only when it is missing, and clear a
+    stale socket file (the daemon's preflight refused a shared directory and a live socket)."""
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://") :]
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if stat.S_IMODE(os.stat(directory).st_mode) & 0o077:
-        os.chmod(directory, 0o700)
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
     if os.path.exists(path):
         os.unlink(path)
 

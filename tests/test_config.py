@@ -101,13 +101,58 @@ def test_invalid_values_name_the_field(tmp_path, source, field, value):
         file = write_toml(tmp_path, f"{field} = {value}\n")
     with pytest.raises(ValueError) as info:
         config.load(flags=flags, env=env, file=file)
-    assert field in str(info.value)
+    where = {"env": f"environment variable PDXFER_{field.upper()}", "flags": "--" + field.replace("_", "-"),
+             "file": f"{file} line 1 ({field})"}[source]
+    given = value.strip('"') if source == "file" else value  # the file holds TOML strings
+    assert f"{where} is {given!r}" in str(info.value)  # where it was given, and the value
     assert not isinstance(info.value, msgspec.ValidationError)  # callers catch ValueError only
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), [
+    ("protocol", "udp", "ascend, hixl, intranode_nvlink, nvlink, rdma, tcp"),
+    ("role", "router", "prefill, decode"),
+    ("log_format", "yaml", "json, text"),
+])
+def test_an_invalid_choice_lists_the_valid_ones(field, value, valid):
+    with pytest.raises(ValueError, match=f"choose one of: {valid}$"):
+        config.load({"role": "decode", field: value}, env={})
+
+
+def test_an_invalid_value_names_its_source_not_a_json_path(tmp_path):
+    with pytest.raises(ValueError) as info:
+        config.load({"role": "decode"}, env={"PDXFER_BOOTSTRAP_PORT": "abc"})
+    assert str(info.value) == "invalid configuration: environment variable PDXFER_BOOTSTRAP_PORT is 'abc': expected int, got str"
+    path = write_toml(tmp_path, 'role = "decode"\n\n# the port\nbootstrap-port = "x"\n')
+    with pytest.raises(ValueError, match=rf"^invalid configuration: {path} line 4 \(bootstrap-port\) is 'x': expected int"):
+        config.load(env={}, file=path)
+
+
+def test_an_empty_environment_variable_is_unset():
+    """A ConfigMap key left blank sets the variable to "": the option keeps its default
+    (or the file's value) instead of failing to parse."""
+    cfg = config.load(env={"PDXFER_ROLE": "decode", "PDXFER_HTTP_PORT": "", "PDXFER_PROTOCOL": ""})
+    assert (cfg.http_port, cfg.protocol) == (0, "tcp")
+
+
+def test_toml_keys_take_the_flags_spelling_too(tmp_path):
+    path = write_toml(tmp_path, 'role = "prefill"\nbootstrap-port = 9001\nmax_rooms = 7\n')
+    cfg = config.load(env={}, file=path)
+    assert (cfg.bootstrap_port, cfg.max_rooms) == (9001, 7)
+    twice = write_toml(tmp_path, 'role = "prefill"\nbootstrap-port = 9001\nbootstrap_port = 9002\n')
+    with pytest.raises(ValueError, match="line 3: 'bootstrap_port' sets bootstrap_port again"):
+        config.load(env={}, file=twice)
+
+
+def test_the_readme_toml_example_loads(tmp_path):
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = config.load(env={}, file=write_toml(tmp_path, example))
+    assert cfg.role is Role.PREFILL and cfg.http_port != 0
 
 
 def test_unknown_key_in_file_is_refused(tmp_path):
     path = write_toml(tmp_path, 'role = "prefill"\nbootstrap_prot = 1\n')
-    with pytest.raises(ValueError, match="bootstrap_prot"):
+    with pytest.raises(ValueError, match="line 2: 'bootstrap_prot' is not an option"):
         config.load(env={}, file=path)
 
 

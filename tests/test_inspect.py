@@ -208,7 +208,7 @@ def test_rooms_json_is_each_daemons_actual_state(scene):
         assert info["role"] == "decode"
         assert (info["slot"], info["generation"]) == tuple(s.slots["d", room])
     assert rooms[2]["fenced"] and rooms[3]["fenced"] and not rooms[11]["fenced"]
-    assert "page_size: ours=8 theirs=4" in rooms[5]["reason"]
+    assert "page_size: prefill=8 decode=4" in rooms[5]["reason"]
     assert "the router gave up" in rooms[3]["reason"]
     assert collections.Counter(x["state"] for x in rooms.values()) == nonzero(s.d.stats().rooms)
     ages = sorted(x["age"] for x in rooms.values())
@@ -620,7 +620,7 @@ def test_doctor_checks_fail_with_a_fix(tmp_path):
     (tmp_path / "rt").mkdir(mode=0o755)
     os.chmod(tmp_path / "rt", 0o755)
     loose = checks.check_runtime_dir(s)
-    assert loose.status == "WARN" and "chmod 700" in loose.fix
+    assert loose.status == "FAIL" and "chmod 700" in loose.fix and "--runtime-dir" in loose.fix
     long = checks.check_runtime_dir(checks.Settings(**{**s.__dict__, "runtime_dir": "/tmp/" + "x" * 100}))
     assert long.status == "FAIL" and "shorter --runtime-dir" in long.fix
     shm = checks.check_shm(1 << 60)

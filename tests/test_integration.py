@@ -243,7 +243,7 @@ def test_compat_mismatch_is_refused_naming_the_difference(engines):
     decode.expect(5, engines.prefill_daemon.bootstrap, np.array([1]), slot)
     status = decode.wait(5)
     assert status.state is RoomState.FAILED and status.code == "compat_mismatch"
-    assert "page_size: ours=4 theirs=8" in status.reason
+    assert "page_size: prefill=4 decode=8" in status.reason
     assert prefill.kv is not None  # the prefill side is unaffected and still serves
 
 

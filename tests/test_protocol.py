@@ -107,7 +107,7 @@ SAMPLES: dict[type, list[p.Message]] = {
         )
     ],
     p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1", clock=5123.25)],
-    p.PeerRefused: [p.PeerRefused(code=p.ErrorCode.COMPAT_MISMATCH, reason="page_size: ours=16 theirs=32")],
+    p.PeerRefused: [p.PeerRefused(code=p.ErrorCode.COMPAT_MISMATCH, reason="page_size: prefill=16 decode=32")],
     p.RoomRequest: [p.RoomRequest(room=17, pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2, lease_ms=30000, writes_until=5163.5)],
     p.RoomAccepted: [p.RoomAccepted(room=18, input_ready=True)],
     p.TransferStarted: [p.TransferStarted(room=19)],
@@ -266,7 +266,7 @@ def test_compat_hash_and_diff_notice_each_field(name):
     theirs = msgspec.structs.replace(COMPAT, **{name: CHANGED[name]})
     assert p.compat_hash(theirs) != p.compat_hash(COMPAT)
     (diff,) = p.compat_diff(COMPAT, theirs)
-    assert diff == f"{name}: ours={getattr(COMPAT, name)!r} theirs={CHANGED[name]!r}"
+    assert diff == f"{name}: prefill={getattr(COMPAT, name)!r} decode={CHANGED[name]!r}"
 
 
 @pytest.mark.parametrize("code", list(p.ErrorCode))

@@ -1,0 +1,143 @@
+"""What a new user hits in a first hour with `pdxfer serve` (issue 31): a daemon must
+refuse, in one line that names the fix, what would otherwise take over another
+daemon's sockets, hang, claim a protocol it does not use, change a shared
+directory's mode, or end in a traceback after the transfer engines started."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from pdxfer.launch import start_daemon
+
+from .conftest import needs_mooncake
+
+pytestmark = needs_mooncake
+
+
+def serve(role: str, runtime_dir: str, *flags: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `pdxfer serve` that is expected to refuse: it must exit by itself (one that
+    starts, or hangs, runs into the timeout and fails the test)."""
+    argv = [*prefix, sys.executable, "-m", "pdxfer", "serve", "--role", role, "--runtime-dir", runtime_dir, *flags]
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=run_env)
+
+
+def refusal(out: subprocess.CompletedProcess) -> str:
+    """The one line a refused start prints: no ready line, no traceback, and nothing
+    from a transfer engine (whose log lines would say it had started)."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and not out.stdout.strip(), (out.returncode, out.stdout, out.stderr)
+    assert len(lines) == 1 and "cannot start: " in lines[0], out.stderr
+    return lines[0]
+
+
+def inode(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def test_a_second_daemon_with_a_live_daemons_name_refuses_and_leaves_its_sockets(daemons, runtime_dir):
+    first = daemons("prefill")
+    sockets = [first.ready["engine"][len("ipc://") :], first.ready["admin"][len("ipc://") :]]
+    before = [inode(p) for p in sockets]
+    line = refusal(serve("prefill", runtime_dir, "--bootstrap-port", "0"))
+    assert f"pid {first.proc.pid}" in line and "--name" in line, line
+    assert [inode(p) for p in sockets] == before  # neither unlinked nor replaced
+    # Another name given the live daemon's socket (or a daemon from before name locks): refused too.
+    line = refusal(serve("prefill", runtime_dir, "--name", "other", "--bootstrap-port", "0", "--engine-endpoint", first.ready["engine"]))
+    assert f"{sockets[0]} (--engine-endpoint) is in use by a live process" in line, line
+    assert [inode(p) for p in sockets] == before
+    # The first daemon still answers its operators on its admin socket.
+    rooms = subprocess.run([sys.executable, "-m", "pdxfer", "rooms", "--name", "prefill", "--runtime-dir", runtime_dir],
+                           capture_output=True, text=True, timeout=60)
+    assert rooms.returncode == 0, rooms.stderr
+
+
+def test_a_killed_daemons_name_and_stale_sockets_are_taken_over(runtime_dir):
+    first = start_daemon("decode", runtime_dir, stderr=subprocess.DEVNULL)
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait()
+    assert os.path.exists(first.ready["engine"][len("ipc://") :])  # left behind by the kill
+    second = start_daemon("decode", runtime_dir, stderr=subprocess.DEVNULL)
+    try:
+        assert second.ready["engine"] == first.ready["engine"]
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_runtime_dir_whose_socket_paths_do_not_fit_is_refused_at_start():
+    line = refusal(serve("decode", "/tmp/pdx-" + "x" * 100))
+    assert "107" in line and "--runtime-dir" in line, line
+
+
+@pytest.mark.skipif(bool(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else False,
+                    reason="this host has RDMA devices")
+def test_rdma_on_a_host_without_rdma_devices_is_refused(runtime_dir):
+    line = refusal(serve("decode", runtime_dir, "--protocol", "rdma"))
+    assert "/sys/class/infiniband" in line and "--protocol tcp" in line, line
+
+
+def test_an_existing_runtime_dir_others_can_enter_is_refused_and_left_as_it_was(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    line = refusal(serve("decode", str(shared)))
+    assert "0755" in line and "--runtime-dir" in line, line
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755
+
+
+def test_a_missing_runtime_dir_is_created_owner_only(tmp_path):
+    short = f"/tmp/pdx-new-{os.getpid()}"
+    try:
+        daemon = start_daemon("decode", short, stderr=subprocess.DEVNULL)
+        assert stat.S_IMODE(os.stat(short).st_mode) == 0o700
+        assert daemon.stop() == 0
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.parametrize("role,flag", [("prefill", "--bootstrap-port"), ("decode", "--http-port")])
+def test_a_busy_port_is_refused_before_the_transfer_engine_starts_naming_its_holder(runtime_dir, role, flag):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        line = refusal(serve(role, runtime_dir, flag, str(holder.getsockname()[1]), env={"GLOG_minloglevel": "0"}))
+    assert flag in line and f"pid {os.getpid()}" in line, line
+
+
+def test_an_unusable_runtime_dir_is_refused_before_the_transfer_engine_starts(tmp_path):
+    (tmp_path / "file").write_text("")
+    line = refusal(serve("decode", str(tmp_path / "file" / "rt"), env={"GLOG_minloglevel": "0"}))
+    assert "is not a directory" in line and "--runtime-dir" in line, line
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_an_unresolvable_host_is_refused_before_the_transfer_engine_starts(runtime_dir):
+    # In a network namespace of its own, so that resolving the name sends nothing off this host.
+    line = refusal(serve("decode", runtime_dir, "--host", "nope.invalid", prefix=("unshare", "--net"), env={"GLOG_minloglevel": "0"}))
+    assert "--host nope.invalid does not resolve" in line, line
+
+
+def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path, runtime_dir):
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class HideMooncake:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'mooncake':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, HideMooncake())\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = serve("decode", runtime_dir, env=env)
+    # The CUDA build imports only where a driver and libcudart are (as the Makefile judges it).
+    extra = "mooncake" if shutil.which("nvidia-smi") and ctypes.util.find_library("cudart") else "mooncake-cpu"
+    assert f"pip install 'pdxfer[{extra}]'" in out.stderr, out.stderr
+    refusal(out)
