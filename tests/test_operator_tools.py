@@ -204,3 +204,26 @@ def test_metrics_include_the_standard_process_metrics(scene):
     assert samples["process_virtual_memory_bytes"] >= samples["process_resident_memory_bytes"]
     assert "python_info" in samples and "python_gc_collections_total" in samples
     assert "pdxfer_rooms" in samples  # pdxfer's own families are still there
+
+
+# --- the README's example of a room nobody serves
+
+
+def test_a_room_from_an_address_nobody_serves_times_out_as_the_readme_shows(daemons):
+    """A decode room expected from an address where no prefill daemon listens ends at
+    the bootstrap timeout as `timeout` (no link ever came up, so no heartbeat was
+    missed), and the README's example says so rather than `peer_dead` after 5 s."""
+    decode = daemons("decode", "--bootstrap-timeout", "2")
+    client = engine(decode)
+    try:
+        started = time.monotonic()
+        client.expect(1, f"127.0.0.1:{free_port()}", np.array([0]), client.alloc_slot())
+        status = client.wait(1)
+        assert status.state.value == "failed" and status.code.value == "timeout", status
+        assert "no progress for 2s in bootstrapping" in status.reason and time.monotonic() - started >= 2
+    finally:
+        client.close()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    nobody = [line for line in readme.splitlines() if line.startswith("7004  decode  failed")]
+    assert nobody and all("[timeout] no progress for 30s in bootstrapping" in line for line in nobody), nobody
+    assert "[peer_dead] prefill tcp://127.0.0.1:39543" not in readme
