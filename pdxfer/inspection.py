@@ -499,7 +499,7 @@ def cmd_slots(args) -> int:
             print(by_daemon(SLOT_COLUMNS, [(name, slot_rows(listed(slots))) for name, slots in answers], SLOT_RIGHT))
         for name, slots in answers:
             print(f"{name}: " + (slots_summary(slots) if slots else "no aux buffer registered yet: no slots"))
-        if hint and any(answers):
+        if hint:
             print(hint.strip(" ()"))
 
     return run_all(args, lambda admin: admin.call(AdminSlots).slots, show_all) if args.all else run(args, body)
