@@ -97,6 +97,9 @@ class KVPool:
 
     @classmethod
     def create(cls, layout: KVLayout) -> "KVPool":
+        for field in ("num_layers", "num_pages", "page_size", "token_bytes"):  # a struct built in Python is not validated
+            if getattr(layout, field) < 1:
+                raise errors.BadMessage(f"create_kv_pool: layout.{field} is {getattr(layout, field)}; a KV pool needs at least 1")
         return cls(SharedMemory.create(pool_bytes(layout), prefix=KV_POOL_PREFIX), layout)
 
     def arrays(self) -> list[np.ndarray]:
@@ -131,6 +134,10 @@ class AuxBuffer:
 
     @classmethod
     def create(cls, num_slots: int, payload_bytes: int) -> "AuxBuffer":
+        if num_slots < 1:
+            raise errors.BadMessage(f"create_aux_buffer: num_slots is {num_slots}; an aux buffer needs at least 1 slot")
+        if payload_bytes < 0:
+            raise errors.BadMessage(f"create_aux_buffer: payload_bytes is {payload_bytes}; it cannot be negative")
         slot_bytes = HEADER_BYTES + payload_bytes
         return cls(SharedMemory.create(num_slots * slot_bytes, prefix=AUX_BUFFER_PREFIX), num_slots, slot_bytes)
 

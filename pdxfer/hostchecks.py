@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .memory import SHM_DIR, available_memory, find_orphans
+from .memory import SHM_DIR, available_memory, find_orphans, mapped_after_unlink
 
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 ENGINE_PROBE = """
@@ -246,9 +246,14 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     orphans = find_orphans() if path == SHM_DIR else {}
     orphaned = (f" ({len(orphans)} of them, {_size(sum(orphans.values()))}, left by engines that exited: "
                 "the next pool made here removes them)") if orphans else ""
+    # Pools whose names are gone but which a daemon still maps hold memory no listing shows.
+    held = mapped_after_unlink() if path == SHM_DIR else {}
+    unlinked = ("; still mapped though removed from the listing (pools of engines that exited, freed when a new engine "
+                "registers its pools with that daemon or the daemon stops): "
+                + ", ".join(f"{_size(n)} by pid {pid}" for pid, n in sorted(held.items()))) if held else ""
     detail = (f"{path}: {_size(free)} free of {_size(total)}"
               f"{'' if available is None else f', {_size(available)} of memory available'}; "
-              f"{len(pools)} pdxfer pool(s) use {_size(used)}{orphaned}; engines need about {_size(need)} (--pool-bytes)")
+              f"{len(pools)} pdxfer pool(s) use {_size(used)}{orphaned}{unlinked}; engines need about {_size(need)} (--pool-bytes)")
     if free < need:
         return Check("shared memory", "FAIL", detail,
                      "give /dev/shm more room: docker run --shm-size=SIZE; in Kubernetes an emptyDir with medium: Memory "

@@ -3,7 +3,8 @@
     pdxfer rooms [--state S] [--peer P] [--older-than T]   rooms, oldest first
     pdxfer room ID [--fail]                                one room and its history; fail it
     pdxfer peers / pdxfer peer P [--drain]                 the peer table; drain a peer
-    pdxfer slots                                           the aux slot table
+    pdxfer slots [--free]                                  the aux slot table
+    (rooms, peers and slots take --all: every daemon in the runtime directory, one table)
     pdxfer top                                             a live view (pdxfer/top.py)
 
 Each prints an aligned table, or with --json the reply's data. A daemon is chosen
@@ -185,7 +186,8 @@ def choose_endpoint(daemon: str | None, name: str | None, directory: str) -> str
             "--daemon ENDPOINT, or --name NAME with --runtime-dir DIR"
         )
     names = ", ".join(daemon_name(p) for p in found)
-    raise CommandError(f"{len(found)} daemons in {directory} ({names}): choose one with --name NAME or --daemon ENDPOINT", 2)
+    raise CommandError(f"{len(found)} daemons in {directory} ({names}): choose one with --name NAME or --daemon ENDPOINT "
+                       "(rooms, peers and slots: --all shows every one)", 2)
 
 
 def read_secret(path: str | None) -> bytes:
@@ -221,6 +223,46 @@ def run(args, body: Callable[[Any, AdminClient], int]) -> int:
         return 130
 
 
+def every_daemon(args) -> list[tuple[str, str]]:
+    """--all: (name, admin endpoint) of each daemon in the runtime directory."""
+    if args.daemon or args.name:
+        raise CommandError("--all reads every daemon in the runtime directory: leave out --daemon and --name", 2)
+    directory = runtime_dir(args.runtime_dir)
+    found = admin_sockets(directory)
+    if not found:
+        raise CommandError(f"no daemon admin socket in {directory}: start a daemon (pdxfer serve), or give --runtime-dir DIR")
+    return [(daemon_name(path), f"ipc://{path}") for path in found]
+
+
+def run_all(args, ask: Callable[[AdminClient], Any], show: Callable[[Any, list[tuple[str, Any]]], None]) -> int:
+    """--all: ``ask`` each daemon in the runtime directory, then ``show`` the (name, answer)
+    pairs together. A daemon that does not answer is reported and left out; the exit code
+    then says so."""
+    try:
+        targets = every_daemon(args)
+        secret = read_secret(args.secret_file)
+    except CommandError as exc:
+        print(f"pdxfer {args.command}: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    answers, exit_code = [], 0
+    for name, endpoint in targets:
+        try:
+            with AdminClient(endpoint, secret, args.timeout) as admin:
+                answers.append((name, ask(admin)))
+        except CommandError as exc:
+            print(f"pdxfer {args.command}: daemon {name}: {exc.message}", file=sys.stderr)
+            exit_code = exit_code or exc.exit_code
+        except KeyboardInterrupt:
+            return 130
+    show(args, answers)
+    return exit_code
+
+
+def by_daemon(columns: tuple[str, ...], answers: list[tuple[str, list[tuple]]], right: tuple[str, ...]) -> str:
+    """One table of every daemon's rows, a DAEMON column first."""
+    return tables.table(("DAEMON", *columns), [(name, *row) for name, rows in answers for row in rows], right=right)
+
+
 def plain(struct: msgspec.Struct) -> dict:
     """Every field of a reply struct as JSON-ready builtins, defaults included."""
     return {name: msgspec.to_builtins(getattr(struct, name)) for name in struct.__struct_fields__}
@@ -244,13 +286,19 @@ def room_error(room: RoomInfo) -> str:
     return f"[{room.code.value}] {room.reason}" if room.code else "-"
 
 
-def rooms_table(rooms: list[RoomInfo], width: int = 72, indent: str = "") -> str:
-    rows = [
+ROOM_RIGHT = ("ROOM", "AGE", "IN STATE", "PLANNED", "MOVED")
+
+
+def room_rows(rooms: list[RoomInfo], width: int = 72) -> list[tuple]:
+    return [
         (r.room, r.role.value, r.state.value, tables.duration(r.age), tables.duration(r.in_state), r.peer or "-", slot_gen(r),
          tables.size(r.bytes_planned), tables.size(r.bytes_moved), tables.shorten(room_error(r), width))
         for r in rooms
     ]
-    return tables.table(ROOM_COLUMNS, rows, right=("ROOM", "AGE", "IN STATE", "PLANNED", "MOVED"), indent=indent)
+
+
+def rooms_table(rooms: list[RoomInfo], width: int = 72, indent: str = "") -> str:
+    return tables.table(ROOM_COLUMNS, room_rows(rooms, width), right=ROOM_RIGHT, indent=indent)
 
 
 def rooms_summary(rooms: list[RoomInfo]) -> str:
@@ -261,19 +309,33 @@ def rooms_summary(rooms: list[RoomInfo]) -> str:
 
 
 def cmd_rooms(args) -> int:
+    state = RoomState(args.state) if args.state else None
+    filtered = bool(state or args.peer or args.older_than)
+
+    def ask(admin: AdminClient) -> list[RoomInfo]:
+        return admin.call(AdminRooms, state=state, peer=args.peer or "", older_than=args.older_than).rooms
+
     def body(args, admin: AdminClient) -> int:
-        state = RoomState(args.state) if args.state else None
-        reply = admin.call(AdminRooms, state=state, peer=args.peer or "", older_than=args.older_than)
+        rooms = ask(admin)
         if args.json:
-            emit_json({"rooms": [plain(r) for r in reply.rooms]})
-        elif reply.rooms:
-            print(rooms_table(reply.rooms))
-            print(rooms_summary(reply.rooms))
+            emit_json({"rooms": [plain(r) for r in rooms]})
+        elif rooms:
+            print(rooms_table(rooms))
+            print(rooms_summary(rooms))
         else:
-            print("no rooms" + (" match" if state or args.peer or args.older_than else ""))
+            print("no rooms" + (" match" if filtered else ""))
         return 0
 
-    return run(args, body)
+    def show_all(args, answers: list[tuple[str, list[RoomInfo]]]) -> None:
+        if args.json:
+            emit_json({"rooms": [{"daemon": name, **plain(r)} for name, rooms in answers for r in rooms]})
+            return
+        if any(rooms for _, rooms in answers):
+            print(by_daemon(ROOM_COLUMNS, [(name, room_rows(rooms)) for name, rooms in answers], ROOM_RIGHT))
+        for name, rooms in answers:
+            print(f"{name}: " + (rooms_summary(rooms) if rooms else "no rooms" + (" match" if filtered else "")))
+
+    return run_all(args, ask, show_all) if args.all else run(args, body)
 
 
 def room_detail(room: RoomInfo, wall: float) -> str:
@@ -323,13 +385,19 @@ def cmd_room(args) -> int:
 PEER_COLUMNS = ("ADDRESS", "NAME", "INCARNATION", "STATE", "LAST HEARD", "RTT", "SKEW", "ROOMS")
 
 
-def peers_table(peers: list[PeerInfo], indent: str = "") -> str:
-    rows = [
+PEER_RIGHT = ("LAST HEARD", "RTT", "SKEW", "ROOMS")
+
+
+def peer_rows(peers: list[PeerInfo]) -> list[tuple]:
+    return [
         (p.address, p.name or "-", p.incarnation or "-", p.state, tables.ago(p.last_heard), tables.millis(p.rtt_ms, unknown=-1.0),
          tables.millis(p.clock_skew_ms), p.rooms)
         for p in peers
     ]
-    return tables.table(PEER_COLUMNS, rows, right=("LAST HEARD", "RTT", "SKEW", "ROOMS"), indent=indent)
+
+
+def peers_table(peers: list[PeerInfo], indent: str = "") -> str:
+    return tables.table(PEER_COLUMNS, peer_rows(peers), right=PEER_RIGHT, indent=indent)
 
 
 def show_peers(args, peers: list[PeerInfo], info: InfoReply | None) -> None:
@@ -348,7 +416,15 @@ def cmd_peers(args) -> int:
         show_peers(args, reply.peers, None if args.json else admin.call(AdminInfo))
         return 0
 
-    return run(args, body)
+    def show_all(args, answers: list[tuple[str, list[PeerInfo]]]) -> None:
+        if args.json:
+            emit_json({"peers": [{"daemon": name, **plain(p)} for name, peers in answers for p in peers]})
+        elif any(peers for _, peers in answers):
+            print(by_daemon(PEER_COLUMNS, [(name, peer_rows(peers)) for name, peers in answers], PEER_RIGHT))
+        else:
+            print(f"no peers ({len(answers)} daemons)")
+
+    return run_all(args, lambda admin: admin.call(AdminPeers).peers, show_all) if args.all else run(args, body)
 
 
 def cmd_peer(args) -> int:
@@ -385,32 +461,54 @@ def slots_summary(slots: list[SlotInfo]) -> str:
     return f"{len(slots)} slots: {count['free']} free, {held} held ({detail}), {count['quarantined']} quarantined"
 
 
-def slots_table(slots: list[SlotInfo]) -> str:
-    rows = [
+SLOT_RIGHT = ("SLOT", "ROOM", "GEN", "SINCE", "FENCE IN")
+
+
+def slot_rows(slots: list[SlotInfo]) -> list[tuple]:
+    return [
         (s.index, s.state, s.room or "-", s.generation or "-", tables.duration(s.since),
          ("pending" if s.fence_in < 0 else tables.duration(s.fence_in)) if s.state == "quarantined" else "-")
         for s in slots
     ]
-    return tables.table(SLOT_COLUMNS, rows, right=("SLOT", "ROOM", "GEN", "SINCE", "FENCE IN"))
+
+
+def slots_table(slots: list[SlotInfo]) -> str:
+    return tables.table(SLOT_COLUMNS, slot_rows(slots), right=SLOT_RIGHT)
 
 
 def cmd_slots(args) -> int:
+    def listed(slots: list[SlotInfo]) -> list[SlotInfo]:
+        if args.state:
+            return [s for s in slots if s.state == args.state]
+        return slots if args.free else [s for s in slots if s.state != "free"]
+
+    hint = "" if args.state or args.free else " (free slots not listed; --free lists them)"
+
     def body(args, admin: AdminClient) -> int:
         slots = admin.call(AdminSlots).slots
-        shown = [s for s in slots if s.state == args.state] if args.state else slots
         if args.json:
-            emit_json({"slots": [plain(s) for s in shown]})
+            emit_json({"slots": [plain(s) for s in (listed(slots) if args.state else slots)]})
             return 0
         if not slots:
             print("no aux buffer registered yet: no slots")
             return 0
-        listed = shown if args.state or args.all else [s for s in slots if s.state != "free"]
-        if listed:
-            print(slots_table(listed))
-        print(slots_summary(slots) + ("" if args.state or args.all else " (free slots not listed; --all lists them)"))
+        if listed(slots):
+            print(slots_table(listed(slots)))
+        print(slots_summary(slots) + hint)
         return 0
 
-    return run(args, body)
+    def show_all(args, answers: list[tuple[str, list[SlotInfo]]]) -> None:
+        if args.json:
+            emit_json({"slots": [{"daemon": name, **plain(s)} for name, slots in answers for s in (listed(slots) if args.state else slots)]})
+            return
+        if any(listed(slots) for _, slots in answers):
+            print(by_daemon(SLOT_COLUMNS, [(name, slot_rows(listed(slots))) for name, slots in answers], SLOT_RIGHT))
+        for name, slots in answers:
+            print(f"{name}: " + (slots_summary(slots) if slots else "no aux buffer registered yet: no slots"))
+        if hint:
+            print(hint.strip(" ()"))
+
+    return run_all(args, lambda admin: admin.call(AdminSlots).slots, show_all) if args.all else run(args, body)
 
 
 def cmd_top(args) -> int:

@@ -13,7 +13,7 @@ SLOT_STATES = ("free", "granted", "armed", "written", "quarantined")
 TARGET_HELP = """\
 Which daemon: --daemon ENDPOINT (its admin endpoint, printed as "admin" in its ready
 line), or --name NAME (its --name) in --runtime-dir, or, with neither, the only
-daemon in the runtime directory. Exit codes: 0 done, 1 the daemon refused (unknown
+daemon in the runtime directory (rooms, peers, slots: --all reads every one). Exit codes: 0 done, 1 the daemon refused (unknown
 room, read-only admin API, ...), 2 bad arguments, 3 no daemon chosen or none answered."""
 
 
@@ -64,6 +64,11 @@ def target_flags(json_help: str) -> argparse.ArgumentParser:
     return parent
 
 
+def every_daemon_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--all", action="store_true",
+                        help="every daemon in --runtime-dir, in one table with a DAEMON column (JSON: a \"daemon\" key on each entry)")
+
+
 def _command(sub, name: str, help: str, description: str, json_help: str, func) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         name, help=help, description=description, epilog=TARGET_HELP, parents=[target_flags(json_help)],
@@ -93,6 +98,7 @@ def add_commands(sub) -> None:
     rooms.add_argument("--peer", metavar="P", help="only rooms whose peer address contains P (e.g. a host or a port)")
     rooms.add_argument("--older-than", type=seconds, default=0.0, metavar="T",
                        help="only rooms created at least T ago (30, 1.5s, 250ms, 2m, 1h)")
+    every_daemon_flag(rooms)
 
     room = _command(
         sub, "room", "show one room in full with its transition history; --fail fails it",
@@ -105,7 +111,7 @@ def add_commands(sub) -> None:
     room.add_argument("--fail", action="store_true", help="operator action: fail this live room (needs a daemon run with --admin-writes)")
     room.add_argument("--reason", default="no reason given", help="with --fail: why, recorded in the room's error (default: 'no reason given')")
 
-    _command(
+    peers = _command(
         sub, "peers", "list a daemon's peers: address, incarnation, last heartbeat, RTT, rooms, state",
         "List a daemon's peers. On a decode daemon, one prefill link per bootstrap address (connecting until\n"
         "the prefill welcomed it, then alive); on a prefill daemon, each decode daemon that said hello, by\n"
@@ -113,6 +119,7 @@ def add_commands(sub) -> None:
         "wall clock minus ours (one-way estimate on the prefill side).",
         "print {\"peers\": [...]}, every field of each peer", _lazy("inspection", "cmd_peers"),
     )
+    every_daemon_flag(peers)
 
     peer = _command(
         sub, "peer", "show the peers matching P; --drain stops new rooms with them; --cut fences their rooms",
@@ -138,13 +145,15 @@ def add_commands(sub) -> None:
         "print {\"slots\": [...]}, every slot (or those in --state)", _lazy("inspection", "cmd_slots"),
     )
     slots.add_argument("--state", choices=SLOT_STATES, help="only slots in this state")
-    slots.add_argument("--all", action="store_true", help="list free slots too (the table omits them by default; --json never does)")
+    slots.add_argument("--free", action="store_true", help="list free slots too (the table omits them by default; --json never does)")
+    every_daemon_flag(slots)
 
     top = _command(
         sub, "top", "a live view: rooms by state, throughput, queue depths, peers, oldest live rooms",
         "A live view of one daemon, redrawn in place while stdout is a terminal: rooms and slots by state,\n"
         "throughput from the daemon's counters between refreshes, totals, transfer queue depths, failures by\n"
-        "reason, peers, and the oldest live rooms. Ctrl-C quits.",
+        "reason, peers, and the oldest live rooms. The screen fits the terminal (tables show the rows that fit\n"
+        "and count the rest). q or Ctrl-C quits.",
         "print one JSON object per refresh (info, rates, peers, live rooms) instead of a screen", _lazy("inspection", "cmd_top"),
     )
     top.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS", help="seconds between refreshes (default: 1)")

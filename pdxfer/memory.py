@@ -134,6 +134,30 @@ def find_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)
     return found
 
 
+def mapped_after_unlink(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX), proc: str = "/proc") -> dict[int, int]:
+    """Bytes of pdxfer shared memory each process maps whose name is gone from /dev/shm:
+    pid -> bytes. A daemon keeps the pools of an engine that exited mapped (the engine
+    unlinked them, or the next sweep did) until the engine registers new ones or the
+    daemon stops, so they hold memory that no listing of /dev/shm shows. Processes
+    whose maps cannot be read (another user's) are left out."""
+    marks = tuple(f"{SHM_DIR}/{prefix}-" for prefix in prefixes)
+    held = {}
+    for pid in filter(str.isdigit, os.listdir(proc)):
+        spans: dict[str, int] = {}
+        try:
+            with open(os.path.join(proc, pid, "maps")) as fh:
+                for line in fh:
+                    if line.endswith(" (deleted)\n") and any(mark in line for mark in marks):
+                        span, _, _, _, inode = line.split(None, 5)[:5]
+                        start, end = (int(x, 16) for x in span.split("-"))
+                        spans[inode] = spans.get(inode, 0) + end - start  # one pool may be several mappings
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if spans:
+            held[int(pid)] = sum(spans.values())
+    return held
+
+
 def sweep_orphans(prefixes: tuple[str, ...] = (KV_POOL_PREFIX, AUX_BUFFER_PREFIX)) -> dict[str, int]:
     """Unlink what find_orphans finds; returns the size of each name removed. A daemon
     that still maps one keeps its mapping; only the name goes."""

@@ -10,7 +10,7 @@ a prometheus_client call (those cost several microseconds each).
 from __future__ import annotations
 
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .protocol import RoomState
@@ -55,6 +55,10 @@ class Metrics:
         self.success_seconds = Histogram()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
+        # The standard process_*, python_info and python_gc_* families every exporter has:
+        # prometheus_client registers these only in its global REGISTRY, not in ours.
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(standard)
 
     def observe(self, room: Room, left: RoomState | None, now: float) -> None:
         """RoomTable observer: one call per state change."""

@@ -111,11 +111,11 @@ class Worker:
 
     @property
     def daemon(self) -> dict:
-        return next(c for c in self.pod["containers"] if c["name"] == DAEMON)
+        return next(c for c in self.pod.get("initContainers", []) if c["name"] == DAEMON)
 
     @property
     def engines(self) -> list[dict]:
-        return [c for c in self.pod["containers"] if c["name"] != DAEMON]
+        return self.pod["containers"]
 
     @property
     def volumes(self) -> dict[str, dict]:
@@ -132,8 +132,9 @@ class Worker:
 def workers(docs) -> list[Worker]:
     found = [Worker(d) for d in docs if d["kind"] in WORKLOADS]
     for worker in found:
-        names = [c["name"] for c in worker.pod["containers"]]
-        assert DAEMON in names, f"{worker} has no {DAEMON} container beside its engine: {names}"
+        sidecars = [c["name"] for c in worker.pod.get("initContainers", [])]
+        assert DAEMON in sidecars, f"{worker} has no {DAEMON} sidecar (init container) beside its engine: {sidecars}"
+        assert DAEMON not in [c["name"] for c in worker.pod["containers"]], f"{worker} runs {DAEMON} as a plain container too"
         assert worker.engines, f"{worker} runs the daemon without an engine container"
     return found
 
@@ -292,10 +293,8 @@ def test_every_overlay_is_tested():
     assert {"prefill", "decode", "rdma", "demo-cpu"} <= set(OVERLAYS)
 
 
-@pytest.mark.parametrize("path", BUILDS)
-def test_builds_and_validates_against_the_kubernetes_schemas(path):
-    docs = build(path)
-    assert docs, f"deploy/k8s/{path} builds to nothing"
+def schema_errors(docs) -> list[str]:
+    """What the Kubernetes schemas (strict, oldest and newest version) say of each object."""
     errors = []
     for doc in docs:
         for version in KUBERNETES_VERSIONS:
@@ -306,7 +305,26 @@ def test_builds_and_validates_against_the_kubernetes_schemas(path):
                 errors.append(f"{doc['kind']} {doc['metadata']['name']} (Kubernetes {version}): {where}: {exc.message}")
             except kubernetes_validate.SchemaNotFoundError as exc:
                 errors.append(exc.message)
+    return errors
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_builds_and_validates_against_the_kubernetes_schemas(path):
+    docs = build(path)
+    assert docs, f"deploy/k8s/{path} builds to nothing"
+    errors = schema_errors(docs)
     assert not errors, "\n".join(errors)
+
+
+def test_the_readme_links_deploy():
+    """A reader of the README finds the manifests: it links deploy/README.md, and every
+    component and overlay deploy/README.md names exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert "](deploy/README.md)" in readme, "README.md does not link deploy/README.md"
+    guide = (DEPLOY / "README.md").read_text()
+    for path in set(re.findall(r"`(k8s/(?:overlays|components)/[\w-]+)/`", guide)) | set(re.findall(r"`components/([\w-]+)`", guide)):
+        where = DEPLOY / path if path.startswith("k8s/") else K8S / "components" / path
+        assert (where / "kustomization.yaml").is_file(), f"deploy/README.md names {path}, which does not exist"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -352,8 +370,29 @@ def test_engine_and_daemon_share_the_socket_directory(overlay, worker):
             f"engine {engine['name']} dials {endpoint}, which is not the daemon's socket {socket} on volume {at.volume}"
         )
         assert uid is not None and effective(worker.pod, engine, "runAsUser") == uid, (
-            "the engine must run as the daemon's UID: the socket and its directory are owner-only"
+            "the engine must run as the daemon's UID (any one UID, root included: components/root-engine): the socket and "
+            "its directory are owner-only, and the daemon opens the engine's owner-only pools in /dev/shm read-write"
         )
+
+
+@pytest.mark.parametrize("overlay, name", WORKERS)
+def test_daemon_is_a_native_sidecar_that_starts_before_the_engine(overlay, worker):
+    """An init container with restartPolicy: Always (Kubernetes 1.29+): started, and
+    its startupProbe passed, before the engine starts; stopped after the engine exits;
+    restarted if it dies. A plain init container would block the pod; one without a
+    startupProbe would let the engine start before the daemon's sockets exist."""
+    inits = worker.pod["initContainers"]
+    daemon = worker.daemon
+    assert daemon.get("restartPolicy") == "Always", "the daemon must be a native sidecar: restartPolicy: Always"
+    before = inits[: inits.index(daemon)]
+    assert all(c.get("restartPolicy") == "Always" for c in before), (
+        f"{[c['name'] for c in before]} run to completion before the daemon starts: put them after it"
+    )
+    assert daemon.get("startupProbe", {}).get("httpGet", {}).get("path") == "/healthz", (
+        "the engine starts once the daemon's startupProbe passes: probe /healthz (serving), not /readyz (which waits for the engine)"
+    )
+    for container in worker.engines:
+        assert "restartPolicy" not in container
 
 
 @pytest.mark.parametrize("overlay, name", WORKERS)
@@ -564,6 +603,82 @@ def test_demo_engines_agree_and_fit():
         f"the decode engine dials {decode[1].bootstrap}, which is no Service of the prefill pods"
     )
     assert int(port) == prefill[0].config().bootstrap_port
+
+
+# --- optional components, built on top of the prefill and decode overlays
+
+
+def build_with(tmp_path: Path, components: list[str]) -> tuple[dict, ...]:
+    """The prefill and decode overlays with ``components`` added, as a user's own
+    kustomization would add them."""
+    up = posixpath.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"{up}/overlays/prefill", f"{up}/overlays/decode"], "components": [f"{up}/{c}" for c in components],
+    }))
+    out = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kustomize build with {components} failed:\n{out.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
+
+
+def test_root_engine_component_runs_engine_and_daemon_as_one_uid_without_privileges(tmp_path):
+    """Stock SGLang and vLLM images run as root: with components/root-engine both
+    containers run as UID 0 (one UID is what the owner-only socket directory and pools
+    need), with every capability dropped and no escalation."""
+    docs = build_with(tmp_path, ["components/root-engine"])
+    errors = schema_errors(docs)
+    assert not errors, "\n".join(errors)
+    found = workers(docs)
+    assert len(found) == 2
+    for worker in found:
+        worker.config()
+        for container in worker.containers:
+            assert effective(worker.pod, container, "runAsUser") == 0, container["name"]
+            assert effective(worker.pod, container, "runAsNonRoot") is False, container["name"]
+            context = container.get("securityContext", {})
+            assert context.get("allowPrivilegeEscalation") is False and not context.get("privileged"), container["name"]
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], container["name"]
+
+
+PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "podTargetLabels", "namespaceSelector", "jobLabel", "sampleLimit"}
+PODMONITOR_ENDPOINT = {"port", "portNumber", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings", "metricRelabelings"}
+
+
+def test_prometheus_component_scrapes_every_daemon_and_may_reach_it(tmp_path):
+    """components/prometheus: one PodMonitor (monitoring.coreos.com/v1, not in the
+    Kubernetes schemas: its structure is checked here) whose endpoint is each daemon's
+    http port and /metrics, and a NetworkPolicy rule letting Prometheus pods, from any
+    namespace, reach that port and nothing else."""
+    docs = build_with(tmp_path, ["components/prometheus"])
+    monitors = of_kind(docs, "PodMonitor")
+    errors = schema_errors([d for d in docs if d["kind"] != "PodMonitor"])
+    assert not errors, "\n".join(errors)
+    assert len(monitors) == 1, "one PodMonitor for both roles: two would scrape every daemon twice"
+    (monitor,) = monitors
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = monitor["spec"]
+    assert set(spec) <= PODMONITOR_SPEC, set(spec) - PODMONITOR_SPEC
+    endpoints = spec["podMetricsEndpoints"]
+    assert endpoints and all(set(e) <= PODMONITOR_ENDPOINT for e in endpoints), endpoints
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    found = workers(docs)
+    assert {w.config().role.value for w in found} == {"prefill", "decode"}
+    for worker in found:
+        assert namespace_of(monitor) == worker.namespace and selects(spec["selector"], worker.labels), f"{worker} is not scraped"
+        assert all(label in worker.labels for label in spec.get("podTargetLabels", []))
+        port = option(worker, "http_port", 0)
+        (endpoint,) = endpoints
+        assert container_port(worker.daemon, endpoint.get("port", endpoint.get("portNumber"))) == port
+        assert endpoint.get("path", "/metrics") == "/metrics"
+        rules = [
+            rule
+            for policy in of_kind(docs, "NetworkPolicy", worker.namespace)
+            if selects(policy["spec"].get("podSelector"), worker.labels)
+            for rule in policy["spec"].get("ingress", [])
+            if any("namespaceSelector" in peer and selects(peer.get("podSelector"), prometheus) for peer in rule.get("from", []))
+        ]
+        assert rules, f"no NetworkPolicy rule admits Prometheus pods to {worker}"
+        assert all(admitted(rule.get("ports"), worker.containers) == {port} for rule in rules), "Prometheus may reach only the http port"
 
 
 # --- the image

@@ -394,7 +394,7 @@ def test_slots_json_and_table(scene):
     assert out[-1].startswith("16 slots: 10 free, 5 held (granted 0, armed 4, written 1), 1 quarantined")
     assert len(out) == 1 + 6 + 1  # header, the six slots that are not free, summary
     assert [line.split()[-1] for line in out[1:-1] if line.split()[1] == "quarantined"] == ["pending"]
-    assert len(s.cli(s.decode, "slots", "--all").stdout.splitlines()) == 1 + 16 + 1
+    assert len(s.cli(s.decode, "slots", "--free").stdout.splitlines()) == 1 + 16 + 1
 
 
 # --- top
