@@ -3,11 +3,14 @@ rare corruptions the test suite is too short to see.
 
 Each round runs the chaos engines (random aborts on both sides, stalls, 4 aux slots)
 against a prefill daemon whose transport delays completions, replays late aux
-writes into reused slots and fails a few writes. In the middle of two rounds out of
-three, the decode daemon is killed (-9) and restarted under a new incarnation, or
-the prefill daemon is frozen (SIGSTOP), sometimes past the heartbeat bound, then
-thawed. Every round prints its rooms,
-failures by reason, corruptions (must stay 0) and both daemons' resident memory.
+writes into reused slots and fails a few writes. In the middle of each round one
+daemon-level fault, in turn: the prefill daemon frozen (SIGSTOP) for up to 3.5 s,
+sometimes past the heartbeat bound; the decode daemon killed (-9) and restarted
+under a new incarnation; the prefill frozen longer than the decode side's lease and
+fence timeout together, so that its rooms there must wait, fence-pending, for it to
+resume and confirm (a clock would have handed their pages back while its transfer
+engine still held writes for them). Every round prints its rooms, failures by
+reason, corruptions (must stay 0) and both daemons' resident memory.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from .chaos import ChaosSpec, run_chaos, settled_stats
 from .launch import DaemonProcess, LaunchError, start_daemon
 
 FAULTS = "delay=0.3:3,ghost=0.3:15,fail=0.002"
+HEARTBEAT_BOUND = 2.0  # interval x misses below
+LEASE_SPAN = 5.0 + 1.0  # transfer timeout + fence timeout below: when a timer would have fenced
 TIMING = [
     "--heartbeat-interval", "0.5", "--heartbeat-misses", "4", "--fence-timeout", "1",
     "--transfer-timeout", "5", "--bootstrap-timeout", "5", "--waiting-timeout", "5",
@@ -67,12 +72,14 @@ class Soak:
             self.decode = self._start("decode")
             return "decode daemon killed (-9) mid-round and restarted"
         if what == 2:
-            pause = self.rng.uniform(0.5, 3.5)  # the heartbeat bound is 2 s: some freezes are deaths
-            os.kill(self.prefill.pid, signal.SIGSTOP)
-            time.sleep(pause)
-            os.kill(self.prefill.pid, signal.SIGCONT)
-            return f"prefill daemon frozen {pause:.1f}s mid-round"
-        return "none"
+            return self._freeze(self.rng.uniform(LEASE_SPAN + HEARTBEAT_BOUND, LEASE_SPAN + HEARTBEAT_BOUND + 2), "past the lease and fence")
+        return self._freeze(self.rng.uniform(0.5, 3.5), "")  # some freezes pass the heartbeat bound: deaths
+
+    def _freeze(self, pause: float, note: str) -> str:
+        os.kill(self.prefill.pid, signal.SIGSTOP)
+        time.sleep(pause)
+        os.kill(self.prefill.pid, signal.SIGCONT)
+        return f"prefill daemon frozen {pause:.1f}s mid-round{', ' + note if note else ''}"
 
     async def _round(self, round_no: int, spec: ChaosSpec) -> tuple[object, str]:
         rounds = asyncio.create_task(run_chaos(self.prefill.engine, self.decode.engine, self.prefill.bootstrap, spec))
@@ -88,7 +95,7 @@ class Soak:
         try:
             self.prefill, self.decode = self._start("prefill"), self._start("decode")
             start_rss = (rss_mib(self.prefill.pid), rss_mib(self.decode.pid))
-            print(f"soak: {args.minutes:g} min, rounds of {args.rooms} rooms, faults {FAULTS} + aborts + daemon kills/freezes", flush=True)
+            print(f"soak: {args.minutes:g} min, rounds of {args.rooms} rooms, faults {FAULTS} + aborts + daemon kills/freezes (a third past the lease)", flush=True)
             print(f"start RSS: prefill {start_rss[0]:.1f} MiB, decode {start_rss[1]:.1f} MiB", flush=True)
             deadline = time.monotonic() + args.minutes * 60
             round_no = 0
