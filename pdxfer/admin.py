@@ -91,6 +91,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         "kv_inline_rooms": float(service.kv_inline_rooms),
         "kv_inline_bytes": float(service.kv_inline_bytes),
         "cpu_takebacks": float(daemon.cpu_takebacks),
+        "transfer_engine_process_restarts": float(daemon.engine_process_restarts),
     }
     waiting = not_ready(daemon)
     return InfoReply(

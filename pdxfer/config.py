@@ -70,6 +70,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     device: Annotated[
         str, _doc("accelerator bound before the transport starts: cpu, cuda:N or npu:N", pattern=r"^(cpu|cuda:\d+|npu:\d+)$")
     ] = "cpu"
+    transfer_engine_process: Annotated[
+        Literal["auto", "child", "inline"],
+        _doc("where the transfer engine runs: child (a process of its own, restarted if it dies: its ports take bytes "
+             "from anyone, and bad ones can end the process that runs it), inline (in the daemon: device memory, which "
+             "another process cannot map by address), or auto (child for --device cpu, else inline)"),
+    ] = "auto"
     aux_path: Annotated[
         AuxPathChoice,
         _doc("how aux records travel: tcp (bootstrap channel), transfer_engine, or auto (by protocol: transfer engine for rdma/ascend/hixl, else tcp)"),

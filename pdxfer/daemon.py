@@ -32,7 +32,7 @@ from .metrics import Metrics
 from .registry import DaemonRecord, Registry
 from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from .pump import TransferPump
-from .transport import PROBE_BYTES, Peer, Transport, label, primary
+from .transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from .peer_channel import PeerLink, PeerServer
 from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 
@@ -54,6 +54,7 @@ class Daemon:
         self.bootstrap_address = ""
         self.sessions: Peer = ()  # our transfer engines' sessions
         self.task_failures = 0
+        self.engine_process_restarts = 0
         self.started = time.monotonic()
         self.draining = False
         self.metrics: Metrics | None = None
@@ -94,7 +95,7 @@ class Daemon:
                 memory.bind_device(cfg.device)
             elif step == "init_transport":
                 if self.transport is None:
-                    self.transport = make_transport(cfg)
+                    self.transport = build.daemon_transport(cfg, lambda: loop.call_soon_threadsafe(self._engine_process_lost))
                 self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
@@ -212,6 +213,7 @@ class Daemon:
                 "sessions": list(self.sessions),
                 "incarnation": self.incarnation,
                 "pid": os.getpid(),
+                "engine_pid": getattr(self.transport, "pid", 0) or os.getpid(),  # the transfer engine's process
             }
         )
 
@@ -285,6 +287,14 @@ class Daemon:
                 log.warning("could not deregister from etcd: %s", exc)
         if self.pump is not None:
             self.pump.stop()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            if self.config.role is Role.PREFILL and self.service is not None:
+                # Before the bootstrap sockets close: the decode sides wait for this proof.
+                fenced = self.service.transport_closed()
+                if fenced:
+                    log.info("transfer engines closed: %d failed rooms confirmed fenced to their decode daemons", fenced)
         if self._http is not None:
             self._http.close()
         for sock in (self._engine, self._admin, self._bootstrap, *self._links.values()):
@@ -294,8 +304,6 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self.transport is not None:
-            self.transport.close()
         if self.service is not None:
             for pool in (self.service.kv, self.service.aux):
                 if pool is not None:
@@ -399,8 +407,21 @@ class Daemon:
     async def _cut(self, msg: AdminPeers) -> Message:
         sessions = await asyncio.wrap_future(self.pump.cut())
         self._transport_reset(sessions)
-        self.service.cut_done(msg.cut, sessions)
+        self.service.cut_done(f"operator cut (peer {msg.cut!r})", sessions)
         return PeersReply(req=msg.req, peers=self.service.peer_infos(self.service.clock(), time.time()))
+
+    def _engine_process_lost(self) -> None:
+        """The transfer engine's process died (isolated.py): its writes in flight are
+        lost, and once the pump holds none, a new process takes over with new sessions.
+        A decode daemon then fences what waited for proof: every connection into the
+        dead process closed with it."""
+        self.engine_process_restarts += 1
+        self._oneshot(self._replace_lost_engine())
+
+    async def _replace_lost_engine(self) -> None:
+        sessions = await asyncio.wrap_future(self.pump.cut())
+        if self.config.role is Role.DECODE:
+            self.service.cut_done("the transfer engine process ended", sessions)
 
     def _observe(self, room, left, now: float) -> None:
         """The room table's observer with debug logging: metrics, and one line per transition."""
@@ -520,25 +541,3 @@ def read_secret(path: str) -> bytes:
     if len(secret) < 16:
         raise Unsupported(f"the cluster secret in {path} is {len(secret)} bytes; use at least 16")
     return secret
-
-
-def make_transport(cfg: Config) -> Transport:
-    from .transport.mooncake import MooncakeTransport, installed_release
-
-    paths.check_engine_release(cfg.protocol, installed_release(), "this daemon's")
-    engine_env = paths.engine_env(cfg.protocol, cfg.tcp_lanes, os.environ)
-    lanes = engine_env.get(paths.TCP_LANES_ENV)
-    if lanes and os.environ.get(paths.TCP_LANES_ENV, lanes) != lanes:
-        log.warning("tcp_lanes %s overrides %s=%s from the environment (tcp_lanes 0 keeps the environment's)",
-                    lanes, paths.TCP_LANES_ENV, os.environ[paths.TCP_LANES_ENV])
-    transport = MooncakeTransport(cfg.host, cfg.protocol, cfg.rdma_devices, cfg.transfer_metadata, engine_env,
-                                  paths.engine_count(cfg.protocol, cfg.tcp_engines))
-    if not cfg.inject_faults:
-        return transport
-    from .transport.faults import FaultInjectingTransport, FaultSpec
-
-    try:
-        spec = FaultSpec.parse(cfg.inject_faults)
-    except ValueError as exc:
-        raise Unsupported(f"--inject-faults: {exc}") from None
-    return FaultInjectingTransport(transport, spec)

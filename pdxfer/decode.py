@@ -554,16 +554,17 @@ class DecodeService(RoomService):
             raise errors.PdxferError(f"no prefill link matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
         return matched
 
-    def cut_done(self, peer: str, sessions) -> int:
-        """This daemon's transfer sessions were replaced (Transport.reset): nothing any
-        prefill sent through the old ones can land, so every fence-pending room is
-        fenced, on every link (a cut is not selective); peers learn the new sessions.
-        Returns how many rooms and released slots it fenced."""
+    def cut_done(self, why: str, sessions) -> int:
+        """This daemon's transfer sessions were replaced (Transport.reset, or a new
+        transfer engine process after the last one died): nothing any prefill sent
+        through the old ones can land, so every fence-pending room is fenced, on every
+        link (a cut is not selective); peers learn the new sessions. Returns how many
+        rooms and released slots it fenced."""
         self.sessions = sessions
         fenced = sum(self.fence_pending(link) for link in self.links.values())
         for link in self.links.values():
             self._fence_link(link)
-        log.warning("operator cut (peer %r): transfer sessions replaced by %s; %d fence-pending rooms fenced", peer, ",".join(sessions), fenced)
+        log.warning("%s: transfer sessions replaced by %s; %d fence-pending rooms fenced", why, ",".join(sessions), fenced)
         self.cuts += 1
         self.on_kv_registered()
         return fenced

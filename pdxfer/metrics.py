@@ -136,6 +136,10 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)
         daemon = metrics.daemon
+        yield CounterMetricFamily(
+            "pdxfer_transfer_engine_process_restarts", "Times the transfer engine's own process ended and another took over (--transfer-engine-process child)",
+            value=daemon.engine_process_restarts,
+        )
         yield GaugeMetricFamily(
             "pdxfer_cpu_yielding", "1 while the daemon's own threads yield the cores to the transfer engine's (SCHED_IDLE, --yield-cpu)",
             value=int(daemon.yielding is not None and daemon.yielding.active),

@@ -408,10 +408,21 @@ class PrefillService(RoomService):
         w = self.work[room.id]
         w.job = None
         if job.abandoned:
-            return  # writes may still land; the fence timeout decides
+            return  # writes may still land: the decode side waits for another proof
         if w.peer:
             self.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
         self.fenced(room)
+
+    def transport_closed(self) -> int:
+        """This daemon's transfer engines are gone (it is stopping): nothing of ours can
+        land any more, so every failed room still waiting for its writes, or given up
+        on by the pump, is fenced and its decode side told so. Returns how many."""
+        waiting = [(room, w.job) for room_id, w in self.work.items()
+                   if w.job is not None and (room := self.rooms.find(room_id)) is not None and room.finished]
+        for room, job in waiting:
+            job.abandoned = False
+            self._settled(room, job)
+        return len(waiting)
 
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
         room = self.rooms.get(msg.room)

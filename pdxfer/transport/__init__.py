@@ -4,7 +4,9 @@ The daemon talks to one through this small interface, always from the transfer p
 thread (see pump.py), except ``register`` which start-up and registrations call from
 a worker thread. ``mooncake.MooncakeTransport`` is the real one;
 ``faults.FaultInjectingTransport`` wraps it to inject faults the real one cannot be
-made to produce on demand (tests only).
+made to produce on demand (tests only). ``isolated.IsolatedTransport`` runs either in
+a process of its own (``host.py``), so that the engine's death is not the daemon's;
+``build.py`` chooses.
 """
 
 from __future__ import annotations

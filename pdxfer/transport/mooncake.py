@@ -99,14 +99,14 @@ def load_engine_class():
 
 class MooncakeTransport:
     def __init__(self, host: str, protocol: str = "tcp", devices: str = "", metadata: str = "P2PHANDSHAKE",
-                 engine_env: Mapping[str, str] | None = None, engines: int = 1) -> None:
+                 engine_env: Mapping[str, str] | None = None, engines: int = 1, scratch: int = 0) -> None:
         self.host = host
         self.engine_env = dict(engine_env or {})  # set in the environment before an engine starts (it reads it there)
         self.protocol = protocol
         self.devices = devices
         self.metadata = metadata
         self.engine_count = engines  # how many this transport runs (paths.engine_count)
-        self.scratch = 0
+        self.scratch = scratch  # 0: our own, made in start()
         self.sessions: Peer = ()
         self.resets = 0
         self._engines: list = []
@@ -114,7 +114,7 @@ class MooncakeTransport:
         self._registered: dict[int, int] = {}
         self._turn = 0  # the stripe the next write takes
         self._lock = threading.Lock()
-        self._scratch = np.zeros(SCRATCH_BYTES, np.uint8)
+        self._scratch = None if scratch else np.zeros(SCRATCH_BYTES, np.uint8)
 
     def _new_engine(self) -> tuple[object, str]:
         """A started engine and the session name peers address it by."""
@@ -139,7 +139,8 @@ class MooncakeTransport:
     def start(self) -> Peer:
         with self._lock:
             self._engines, self.sessions = self._new_engines()
-        self.scratch = int(self._scratch.ctypes.data)
+        if self._scratch is not None:
+            self.scratch = int(self._scratch.ctypes.data)
         self.register(self.scratch, SCRATCH_BYTES)
         return self.sessions
 

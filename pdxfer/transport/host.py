@@ -1,0 +1,308 @@
+"""The transfer engine's own process: what ``isolated.IsolatedTransport`` runs.
+
+Why a process of its own: the transfer engine listens on TCP ports that nothing
+authenticates, and bytes from anyone can end it. Nine bytes to its handshake port
+throw an exception no code of ours can catch (``std::terminate``), and a stranger's
+header on its data port names any address to read or write. In the daemon's process
+either took every engine on the node off the network. Here only this process dies;
+the daemon sees its socket close, fails what was in flight, and starts another.
+
+Memory: the daemon maps engines' pools from files (shared memory), and this process
+maps the same files at the same virtual addresses (MAP_FIXED_NOREPLACE), so every
+address the daemon plans with, and advertises to peers, is valid here too. An
+address already taken here (a rare clash of the two processes' layouts) is reported
+as such, and the daemon starts a fresh process, laid out anew.
+
+Messages go both ways as msgpack over a SOCK_SEQPACKET socket pair: requests that
+the daemon waits for (``Reply``), writes that it does not (``Submit``), and batches
+of settled writes (``Settled``). Handles are the daemon's: this side keeps the
+engine's behind them and reports each once it settles, oldest first per peer.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from collections import deque
+
+import msgspec
+import numpy as np
+
+from . import Peer, Status
+
+log = logging.getLogger("pdxfer.transport.host")
+
+MAX_PACKET = 1 << 20  # bytes of one message either way; a Submit of more blocks is split
+SOCKET_BUFFER = 4 << 20
+BLOCKS_PER_SUBMIT = MAX_PACKET // 32  # three int64 per block, with room for the rest
+# Polling, as the pump does (pump.py): a short sleep between rounds while writes are pending.
+POLL_MIN, POLL_MAX = 0.00002, 0.0005
+
+
+class Region(msgspec.Struct, array_like=True, frozen=True):
+    """[address, address + length) of the daemon, backed from ``offset`` by the file
+    whose descriptor travels with the message (SCM_RIGHTS): by descriptor, not name,
+    so that a pool whose name its engine already unlinked maps all the same."""
+
+    address: int
+    length: int
+    offset: int
+
+
+class Start(msgspec.Struct, tag=True, array_like=True):
+    config: bytes  # the daemon's Config as JSON: this side builds the transport it would have
+    scratch: Region
+
+
+class Register(msgspec.Struct, tag=True, array_like=True):
+    req: int
+    region: Region
+
+
+class Unregister(msgspec.Struct, tag=True, array_like=True):
+    req: int
+    address: int
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    first: int  # the daemon's handle of the first block; the rest follow in order
+    peer: list[str]
+    src: bytes  # int64 arrays
+    dst: bytes
+    length: bytes
+
+
+class Probe(msgspec.Struct, tag=True, array_like=True):
+    req: int
+    peer: list[str]
+    dst: int
+
+
+class Reset(msgspec.Struct, tag=True, array_like=True):
+    req: int
+
+
+class Reply(msgspec.Struct, tag=True, array_like=True):
+    req: int
+    error: str = ""
+    taken: bool = False  # Register: the address is taken in this process
+    sessions: list[str] = []
+    ok: bool = True
+
+
+class Settled(msgspec.Struct, tag=True, array_like=True):
+    handles: bytes  # int64
+    statuses: bytes  # int8, Status values
+
+
+Request = Start | Register | Unregister | Submit | Probe | Reset
+Answer = Reply | Settled
+
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED, _MAP_FIXED_NOREPLACE, _MAP_POPULATE = 0x01, 0x100000, 0x8000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PR_SET_PDEATHSIG = 1
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor a message
+
+
+class AddressTaken(Exception):
+    pass
+
+
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def page_span(address: int, length: int) -> tuple[int, int]:
+    """The page-aligned (start, length) that covers [address, address + length)."""
+    start = address - address % _PAGE
+    end = -(-(address + length) // _PAGE) * _PAGE
+    return start, end - start
+
+
+class Mappings:
+    """This process's copies of the daemon's regions, at the daemon's addresses."""
+
+    def __init__(self) -> None:
+        self._libc = _libc()
+        self._mapped: dict[int, tuple[int, int]] = {}  # daemon address -> (page start, page length)
+
+    def map(self, region: Region, fd: int) -> None:
+        start, length = page_span(region.address, region.length)
+        offset = region.offset - (region.address - start)
+        got = self._libc.mmap(start, length, _PROT_RW, _MAP_SHARED | _MAP_FIXED_NOREPLACE | _MAP_POPULATE, fd, offset)
+        if got == _MAP_FAILED:
+            err = ctypes.get_errno()
+            if err == errno.EEXIST:
+                raise AddressTaken(f"{start:#x}+{length:#x}")
+            raise OSError(err, f"cannot map the region at {start:#x}: {os.strerror(err)}")
+        if got != start:  # a kernel before 4.17 takes the flag as a hint
+            self._libc.munmap(got, length)
+            raise AddressTaken(f"{start:#x}+{length:#x} (placed at {got:#x})")
+        self._mapped[region.address] = (start, length)
+
+    def unmap(self, address: int) -> None:
+        span = self._mapped.pop(address, None)
+        if span is not None:
+            self._libc.munmap(*span)
+
+
+class _Writes:
+    """The engine's handles behind the daemon's, per peer in submission order."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[Peer, deque] = {}  # peer -> deque of (our handle, engine handle)
+        self.settled_handles: list[int] = []
+        self.settled_statuses: list[int] = []
+
+    def pending(self) -> bool:
+        return any(self.by_peer.values())
+
+    def settle(self, handle: int, status: Status) -> None:
+        self.settled_handles.append(handle)
+        self.settled_statuses.append(int(status))
+
+    def take_settled(self) -> Settled | None:
+        if not self.settled_handles:
+            return None
+        msg = Settled(np.array(self.settled_handles, np.int64).tobytes(), np.array(self.settled_statuses, np.int8).tobytes())
+        self.settled_handles, self.settled_statuses = [], []
+        return msg
+
+
+class Host:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.transport = None
+        self.mappings = Mappings()
+        self.writes = _Writes()
+        self._decoder = msgspec.msgpack.Decoder(Request)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, msg: Answer) -> None:
+        self.sock.sendall(self._encoder.encode(msg))
+
+    def run(self) -> None:
+        pause = 0.0
+        while True:
+            pending = self.writes.pending()
+            ready, _, _ = select.select([self.sock], [], [], pause if pending else None)
+            if ready and not self._read():
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            try:
+                progressed = self._poll()
+            except Exception:  # a binding's bug: what the engine holds may land or not; once we are gone, it cannot
+                log.exception("polling the transfer engine failed; ending this process so that none of its writes can land")
+                os._exit(70)
+            settled = self.writes.take_settled()
+            if settled is not None:
+                self.send(settled)
+            pause = 0.0 if (ready or progressed) else min(pause * 2, POLL_MAX) or POLL_MIN
+
+    def _read(self) -> bool:
+        """Handle every request waiting; False when the daemon is gone."""
+        while True:
+            try:  # recvmsg itself: socket.recv_fds drops its flags before Python 3.12
+                data, ancillary, _, _ = self.sock.recvmsg(MAX_PACKET, _FD_SPACE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True
+            if not data:
+                return False
+            fds = [fd for level, kind, raw in ancillary if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+                   for fd in array.array("i", raw[: len(raw) - len(raw) % 4])]
+            self._handle(self._decoder.decode(data), fds[0] if fds else -1)
+
+    def _handle(self, msg: Request, fd: int) -> None:
+        if isinstance(msg, Submit):
+            self._submit(msg)
+            return
+        try:
+            try:
+                reply = self._answer(msg, fd)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        except AddressTaken as exc:
+            reply = Reply(getattr(msg, "req", 0), error=f"address taken here: {exc}", taken=True, ok=False)
+        except Exception as exc:  # the daemon raises it where it waits
+            log.exception("transfer engine process: %s failed", type(msg).__name__)
+            reply = Reply(getattr(msg, "req", 0), error=f"{type(exc).__name__}: {exc}", ok=False)
+        self.send(reply)
+
+    def _answer(self, msg: Request, fd: int) -> Reply:
+        if isinstance(msg, Start):
+            from ..cli import setup_logging
+            from ..config import Config
+            from . import build
+
+            cfg = msgspec.json.decode(msg.config, type=Config)
+            setup_logging(cfg.log_level, cfg.log_format, f"{cfg.instance} engine")  # lines like the daemon's own
+            self.mappings.map(msg.scratch, fd)
+            self.transport = build.make_transport(cfg, scratch=msg.scratch.address)
+            return Reply(0, sessions=list(self.transport.start()))
+        if isinstance(msg, Register):
+            self.mappings.map(msg.region, fd)
+            self.transport.register(msg.region.address, msg.region.length)
+            return Reply(msg.req)
+        if isinstance(msg, Unregister):
+            self.transport.unregister(msg.address)
+            self.mappings.unmap(msg.address)
+            return Reply(msg.req)
+        if isinstance(msg, Probe):
+            return Reply(msg.req, ok=self.transport.probe(tuple(msg.peer), msg.dst))
+        if isinstance(msg, Reset):
+            return Reply(msg.req, sessions=list(self.transport.reset()))
+        raise TypeError(f"unknown request {msg!r}")
+
+    def _submit(self, msg: Submit) -> None:
+        peer = tuple(msg.peer)
+        src, dst, length = (np.frombuffer(b, np.int64).tolist() for b in (msg.src, msg.dst, msg.length))
+        handles = self.transport.submit(peer, src, dst, length)
+        queue = self.writes.by_peer.setdefault(peer, deque())
+        for ours, theirs in enumerate(handles, msg.first):
+            if theirs:
+                queue.append((ours, theirs))
+            else:
+                self.writes.settle(ours, Status.FAILED)
+
+    def _poll(self) -> bool:
+        progressed = False
+        for queue in self.writes.by_peer.values():
+            while queue:
+                ours, theirs = queue[0]
+                status = self.transport.poll(theirs)
+                if status is Status.PENDING:
+                    break
+                queue.popleft()
+                self.writes.settle(ours, status)
+                progressed = True
+        return progressed
+
+
+def main() -> None:
+    # The daemon's end of the pair is fd 3 (isolated.py passes it); this process dies with the daemon.
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    if os.getppid() == 1:  # the daemon died before we could ask to die with it
+        return
+    Host(sock).run()
+
+
+if __name__ == "__main__":
+    main()
