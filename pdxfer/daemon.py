@@ -33,7 +33,7 @@ from .registry import DaemonRecord, Registry
 from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, label, primary
-from .peer_channel import PeerLink, PeerServer, Prove
+from .peer_channel import PeerLink, PeerServer, Prove, RefusalLog
 from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
@@ -66,6 +66,7 @@ class Daemon:
         self._http: HttpEndpoint | None = None
         self.registry: Registry | None = None
         self._admin: Router | None = None
+        self._admin_refusals = RefusalLog(log)  # rate-limited: a script without the secret may poll in a loop
         self.seal = Seal(self.incarnation)
         self._ctx: zmq.Context | None = None
         self._engine: Router | None = None
@@ -366,6 +367,8 @@ class Daemon:
         try:
             _, payloads = self.seal.open(frames)
         except PdxferError as exc:
+            self.service.count_failure(f"{exc.code.value}:admin-message")
+            self._admin_refusals.refused(exc.code, f"refused an admin request on {self.admin_endpoint}: {exc.message}")
             self._admin.post(identity, self.codec.encode(Error(req=0, code=exc.code, message=exc.message)))
             return
         for payload in payloads:

@@ -2,8 +2,9 @@
 with --cluster-secret-file on both daemons, a process without the secret that names
 a decode daemon on the prefill's bootstrap port (its incarnation is in its ready
 line and in every envelope on the wire) is refused, logged and counted, and the real
-decode daemon's rooms go on to succeed. And a room id that a second decode daemon
-also expects fails only there, not for the first one.
+decode daemon's rooms go on to succeed. An admin request without the secret is
+refused, logged and counted too. And a room id that a second decode daemon also
+expects fails only there, not for the first one.
 
 The handshake itself (wrong proof, replayed proof, secret on one side only) is tested
 without daemons in test_peer_channel.py."""
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from pdxfer import protocol as p
+from pdxfer.inspection import AdminClient, CommandError
 from pdxfer.peer_channel import PREAMBLE, encode, split_endpoint
 from pdxfer.protocol import RoomState
 
@@ -105,6 +107,25 @@ def test_a_peer_without_the_secret_cannot_take_over_a_decode_daemons_identity(da
         for sock in impostors:
             sock.close()
         pc.close()
+        dc.close()
+
+
+def test_an_admin_request_without_the_secret_is_refused_logged_and_counted(daemons, secret_file):
+    decode = daemons("decode", "--cluster-secret-file", secret_file)
+    admin = decode.ready["admin"]
+    dc = engine(decode)
+    try:
+        assert "unauthenticated:admin-message" not in dc.stats().failures
+        with AdminClient(admin) as unsigned, pytest.raises(CommandError, match="unauthenticated"):
+            unsigned.call(p.AdminPeers)
+        with AdminClient(admin, b"another-clusters-secret-0123456789") as other, pytest.raises(CommandError, match="not signed"):
+            other.call(p.AdminPeers)
+        with AdminClient(admin, SECRET) as signed:
+            assert isinstance(signed.call(p.AdminPeers), p.PeersReply)
+        assert dc.stats().failures.get("unauthenticated:admin-message") == 2, dc.stats().failures
+        # The first is logged at once; the second, in the same interval, is counted towards the next report.
+        wait_until(lambda: logged(decode, "refused an admin request", "not signed with this cluster's secret"), 5, "the refusal to be logged")
+    finally:
         dc.close()
 
 
