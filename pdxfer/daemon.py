@@ -33,7 +33,7 @@ from .registry import DaemonRecord, Registry
 from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, build, label, primary
-from .peer_channel import PeerLink, PeerServer
+from .peer_channel import PeerLink, PeerServer, Prove, RefusalLog
 from .wire import MAX_BATCH, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
@@ -67,6 +67,7 @@ class Daemon:
         self._http: HttpEndpoint | None = None
         self.registry: Registry | None = None
         self._admin: Router | None = None
+        self._admin_refusals = RefusalLog(log)  # rate-limited: a script without the secret may poll in a loop
         self.seal = Seal(self.incarnation)
         self._ctx: zmq.Context | None = None
         self._engine: Router | None = None
@@ -99,9 +100,10 @@ class Daemon:
                 self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
-                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes)
+                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes, self._prove())
                 self._bootstrap.on_error = self._peer_handler_failed
                 self._bootstrap.on_dropped = self._peer_messages_dropped
+                self._bootstrap.on_refused = self._peer_connection_refused
                 bound = await self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
@@ -373,6 +375,8 @@ class Daemon:
         try:
             _, payloads = self.seal.open(frames)
         except PdxferError as exc:
+            self.service.count_failure(f"{exc.code.value}:admin-message")
+            self._admin_refusals.refused(exc.code, f"refused an admin request on {self.admin_endpoint}: {exc.message}")
             self._admin.post(identity, self.codec.encode(Error(req=0, code=exc.code, message=exc.message)))
             return
         for payload in payloads:
@@ -485,11 +489,27 @@ class Daemon:
     def _transport_reset(self, sessions: Peer) -> None:
         self.sessions = self.service.sessions = sessions
 
+    def _prove(self) -> Prove | None:
+        """What proves this daemon's identity on the bootstrap channel: nothing without a secret."""
+        return self.seal.prove if self.seal.secret else None
+
+    def _peer_connection_refused(self, code: ErrorCode, why: str) -> list[bytes]:
+        """A bootstrap connection refused by either end (the channel logged it):
+        counted, and one the prefill refused for want of the secret hears so, which
+        fails that decode daemon's rooms here at once, with that reason, rather than
+        at their timeout."""
+        self.service.count_failure(f"{code.value}:peer-connection")
+        if code is not ErrorCode.UNAUTHENTICATED:
+            return []
+        refused = PeerRefused(code=code, reason="the connection did not prove this cluster's secret (--cluster-secret-file)")
+        return self.seal.seal([self.codec.encode(refused)])
+
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
-        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes)
+        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes, self._prove())
         link.on_error = self._peer_handler_failed
         link.on_dropped = self._peer_messages_dropped
+        link.on_refused = self._peer_connection_refused
         link.keep = self.service.still_wanted
         link.start(
             asyncio.get_running_loop(),

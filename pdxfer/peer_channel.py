@@ -6,40 +6,63 @@ costs here: each of its messages wakes an I/O thread on each side besides the tw
 loops. A round trip between two processes on this project's 2-core VM took 106-144 us
 and 56-74 us of the caller's CPU over ZMQ, 14 us and ~20 us over a plain socket.
 
-A connection starts with PREAMBLE from the connecting side, then one message holding
-its identity; every message after that is a batch as on ZMQ (an envelope frame and
-1 to MAX_BATCH payload frames, see wire.Seal), laid out as ``u32 frame count``, one
-``u32 length`` per frame, then the frames (little-endian). A frame over twice the
-size limit, a stream that does not start with PREAMBLE, or one that has not named
-itself within HANDSHAKE_SECONDS closes the connection; everything else is the
-caller's to judge, as before. proto/PROTOCOL.md says the same.
+A connection starts with PREAMBLE from the connecting side. The accepting side
+answers with a challenge (one message of one frame: NONCE_BYTES random bytes, new for
+every connection), and the connecting side with one message of two frames: its
+identity and a proof, which with a cluster secret is wire.Seal.prove of the challenge
+and the identity, and without one is empty. Every message after that is a batch as
+on ZMQ (an envelope frame and 1 to MAX_BATCH payload frames, see wire.Seal). A message
+is laid out as ``u32 frame count``, one ``u32 length`` per frame, then the frames
+(little-endian).
+
+An identity is proven, not claimed: the accepting side hears nothing a connection
+says before its proof verifies, and only then may that connection replace an older
+one under the same identity. Identities are incarnations, which every envelope
+carries in plain text; were a claim enough, anyone who can reach the port could
+disconnect a decode daemon and fail its rooms. A recorded answer is worth nothing on
+another connection, whose challenge differs. Without a secret there is nothing to
+prove with: an identity is then only claimed, as before this handshake.
+
+A frame over twice the size limit, a stream that does not start with PREAMBLE, a
+handshake answer of another shape, a proof that does not verify, or no answer within
+HANDSHAKE_SECONDS closes the connection, logged (RefusalLog) and told to the owner's
+``on_refused``; everything else is the caller's to judge, as before.
+proto/PROTOCOL.md says the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import math
+import secrets
 import socket
 import struct
 import time
 from typing import Callable
 
 from .errors import BadMessage
+from .protocol import ErrorCode
 from .wire import MAX_BATCH, Dropped, Head, Outbox, _no_head
 
 log = logging.getLogger("pdxfer.peer_channel")
 
-PREAMBLE = b"PDXF\x00\x01"  # magic and this framing's version
+PREAMBLE = b"PDXF\x00\x02"  # magic and this framing's version (2: the challenge and proof)
 MAX_FRAMES = 4 * MAX_BATCH  # more than a batch may hold, so the receiver can say so in a reply
 MAX_IDENTITY = 255
+NONCE_BYTES = 16  # of a challenge: never repeated in practice, so no answer can be replayed
 # Between a lost or refused connection and the next try (ZMQ's default). Not backed
 # off: a connection reset by a flaky network looks like one refused by a peer, and a
 # link that waited seconds after the network healed would miss its heartbeats.
 RECONNECT_SECONDS = 0.1
-REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged once per this, with a count
+REFUSAL_LOG_SECONDS = 10.0  # refusals of one kind are logged once per this, with a count
 CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not the kernel's ~2 min
-HANDSHAKE_SECONDS = 10.0  # an accepted connection that has not named itself by then is closed (ZMQ: 30 s)
+HANDSHAKE_SECONDS = 10.0  # a connection whose challenge is not answered (or sent) by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
+
+Prove = Callable[[bytes, bytes], bytes]  # (challenge, identity) -> proof: wire.Seal.prove
+Refused = Callable[[ErrorCode, str], list[bytes]]  # (code, why) -> a last message for the refused connection, or []
 
 
 def encode(frames: list[bytes]) -> bytes:
@@ -92,28 +115,32 @@ class Deframer:
         return messages
 
 
-class _RefusalLog:
-    """Warnings about refused connections, at most one per REFUSAL_LOG_SECONDS with a
-    count of the rest: an incompatible daemon reconnects ten times a second."""
+class RefusalLog:
+    """Warnings about refusals, at most one of each kind (an error code) per
+    REFUSAL_LOG_SECONDS with a count of the rest: an incompatible daemon reconnects ten
+    times a second, and a flood of one kind (junk on a port) must not hide another
+    (someone without the secret)."""
 
-    def __init__(self) -> None:
-        self.logged_at = 0.0
-        self.unlogged = 0
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._kinds: dict[ErrorCode, tuple[float, int]] = {}  # -> (when last logged, refusals since)
 
-    def refused(self, name: str, peer, why: str) -> None:
+    def refused(self, code: ErrorCode, message: str) -> None:
         now = time.monotonic()
-        if now - self.logged_at < REFUSAL_LOG_SECONDS:
-            self.unlogged += 1
+        logged_at, unlogged = self._kinds.get(code, (-math.inf, 0))
+        if now - logged_at < REFUSAL_LOG_SECONDS:
+            self._kinds[code] = (logged_at, unlogged + 1)
             return
-        more = f" ({self.unlogged} more refused since the last report)" if self.unlogged else ""
-        log.warning("%s: closing a connection from %s: %s%s", name, peer, why, more)
-        self.logged_at, self.unlogged = now, 0
+        more = f" ({unlogged} more refused since the last report)" if unlogged else ""
+        self.logger.warning("%s%s", message, more)
+        self._kinds[code] = (now, 0)
 
 
 class _Connection(asyncio.Protocol):
     """One TCP connection of either side (``owner``: its PeerServer or PeerLink, which
     gets each message as ``received(connection, frames)``): deframes what arrives and
-    writes batches, refusing one that would put its send buffer past ``queue_bytes``."""
+    writes batches, refusing one that would put its send buffer past ``queue_bytes``.
+    The accepted side checks the preamble, then sends the challenge (``nonce``)."""
 
     def __init__(self, name: str, max_bytes: int, owner, lost: asyncio.Future, preamble: bool) -> None:
         self.name = name
@@ -121,7 +148,8 @@ class _Connection(asyncio.Protocol):
         self.queue_bytes = 2 * max_bytes
         self.owner = owner
         self.lost = lost
-        self.identity: bytes | None = None
+        self.identity: bytes | None = None  # accepted side: once proven (or, without a secret, claimed)
+        self.nonce = b""  # accepted side: the challenge it sent
         self.transport: asyncio.Transport | None = None
         self._preamble = bytearray() if preamble else None  # accepted side: still to check it
 
@@ -140,6 +168,9 @@ class _Connection(asyncio.Protocol):
                 self.refuse(f"it did not open with pdxfer's preamble (got {bytes(self._preamble[:10])!r}; an older daemon speaking ZMQ?)")
                 return
             data, self._preamble = bytes(self._preamble[len(PREAMBLE) :]), None
+            # Only now: a stranger to the framing (a ZMQ peer, a port scan) gets nothing but the close.
+            self.nonce = secrets.token_bytes(NONCE_BYTES)
+            self.transport.write(encode([self.nonce]))
         try:
             messages = self.deframer.feed(data)
         except BadMessage as exc:
@@ -154,9 +185,16 @@ class _Connection(asyncio.Protocol):
                 self.owner.on_error()
                 log.exception("%s: handling a message failed", self.name)
 
-    def refuse(self, why: str) -> None:
-        self.owner.refusals.refused(self.name, self.transport.get_extra_info("peername"), why)
-        self.transport.abort()
+    def refuse(self, why: str, code: ErrorCode = ErrorCode.BAD_MESSAGE) -> None:
+        """Close the connection, logged with the peer's address; the owner's
+        ``on_refused`` hears of it and may give a last message to write first."""
+        self.owner.refusals.refused(code, f"{self.name}: closing a connection from {self.transport.get_extra_info('peername')}: {why}")
+        last = self.owner.on_refused(code, why)
+        if last:
+            self.transport.write(encode(last))
+            self.transport.close()  # once that is written
+        else:
+            self.transport.abort()
 
     def connection_lost(self, exc) -> None:
         if not self.lost.done():
@@ -176,17 +214,23 @@ class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
     each message of each identified connection; ``post(identity, payload)`` queues a
     reply (see wire.Outbox); one to an identity not connected, or past a full send
-    buffer, is dropped and ``on_dropped`` hears of it. A connection with an identity
-    already connected replaces it (a decode daemon that reconnected)."""
+    buffer, is dropped and ``on_dropped`` hears of it. With ``prove`` (a cluster
+    secret), a connection takes an identity only with its proof; without, on its
+    claim. A connection that took an identity already connected replaces that
+    connection (a decode daemon that reconnected). ``on_refused(code, why)`` hears of
+    each connection refused (also logged) and returns a last message to write to it
+    before it closes, or []."""
 
-    def __init__(self, host: str, port: int, max_bytes: int) -> None:
+    def __init__(self, host: str, port: int, max_bytes: int, prove: Prove | None = None) -> None:
         self.host = host
         self.port = port
         self.max_bytes = max_bytes
+        self.prove = prove
         self.bound = ""
         self.on_error: Callable[[], None] = lambda: None  # a message handler raised (logged too)
         self.on_dropped: Dropped = lambda to, payloads: None
-        self.refusals = _RefusalLog()
+        self.on_refused: Refused = lambda code, why: []
+        self.refusals = RefusalLog(log)
         self._server: asyncio.AbstractServer | None = None
         self._open: set[_Connection] = set()
         self._by_identity: dict[bytes, _Connection] = {}
@@ -219,10 +263,15 @@ class PeerServer:
         if conn.identity is not None:
             self._on_message(conn.identity, frames)
             return
-        if len(frames) != 1 or not 1 <= len(frames[0]) <= MAX_IDENTITY:
-            conn.refuse(f"its first message must be its identity (1 to {MAX_IDENTITY} bytes), not {len(frames)} frames")
+        if len(frames) != 2 or not 1 <= len(frames[0]) <= MAX_IDENTITY:
+            sizes = ", ".join(str(len(f)) for f in frames[:4])
+            conn.refuse(f"its first message must be its identity (1 to {MAX_IDENTITY} bytes) and a proof, not {len(frames)} frames ({sizes} bytes)")
             return
-        conn.identity = frames[0]
+        identity, proof = frames
+        if self.prove is not None and not hmac.compare_digest(proof, self.prove(conn.nonce, identity)):
+            conn.refuse(f"it named itself {identity[:64]!r} without proof of this cluster's secret", ErrorCode.UNAUTHENTICATED)
+            return
+        conn.identity = identity
         older = self._by_identity.get(conn.identity)
         self._by_identity[conn.identity] = conn
         if older is not None:
@@ -230,7 +279,7 @@ class PeerServer:
 
     def _check_named(self, conn: _Connection) -> None:
         if conn.identity is None and conn in self._open:
-            conn.refuse(f"it did not name itself within {HANDSHAKE_SECONDS:g}s")
+            conn.refuse(f"it did not answer its challenge within {HANDSHAKE_SECONDS:g}s")
 
     def _gone(self, conn: _Connection) -> None:
         self._open.discard(conn)
@@ -273,19 +322,24 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 class PeerLink:
     """A decode daemon's link to one prefill daemon's bootstrap endpoint. It connects,
+    answers the challenge (with ``prove``'s proof of a cluster secret, or an empty one),
     and reconnects RECONNECT_SECONDS after losing the connection, for as long as it is
-    open; ``on_connection('connected' | 'disconnected')`` hears of each change.
-    Messages posted while it is not connected wait for the next connection, up to a
-    bound; past it, or past a full send buffer, they are dropped and ``on_dropped``
-    hears of them. What was buffered on a connection that dropped is lost."""
+    open; ``on_connection('connected' | 'disconnected')`` hears of each change: a
+    connection counts once its challenge is answered. Messages posted while it is not
+    connected wait for the next connection, up to a bound; past it, or past a full
+    send buffer, they are dropped and ``on_dropped`` hears of them. What was buffered
+    on a connection that dropped is lost. ``on_refused`` is as on PeerServer."""
 
-    def __init__(self, endpoint: str, identity: bytes, max_bytes: int) -> None:
+    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prove: Prove | None = None) -> None:
         self.endpoint = endpoint
         self.host, self.port = split_endpoint(endpoint)
         self.identity = identity
         self.max_bytes = max_bytes
+        self.prove = prove
         self.on_error: Callable[[], None] = lambda: None  # a handler raised (logged too)
-        self.refusals = _RefusalLog()
+        self.on_refused: Refused = lambda code, why: []
+        self.refusals = RefusalLog(log)
+        self._challenge: asyncio.Future | None = None  # of the connection being set up
         self._outbox = Outbox(self._send_batch)
         self._head: Head = _no_head
         self._conn: _Connection | None = None
@@ -319,20 +373,39 @@ class PeerLink:
                 log.debug("%s: cannot connect: %s", self.endpoint, exc)
                 await asyncio.sleep(RECONNECT_SECONDS)
                 continue
+            answered = False
             try:
-                conn.transport.write(PREAMBLE + encode([self.identity]))
-                self._conn = conn
-                waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
-                for payloads in waiting:
-                    if payloads := [p for p in payloads if self.keep(p)]:
-                        self._send_batch(None, payloads)
-                self._tell("connected")
-                await lost
+                answered = await self._answer(conn, lost)
+                if answered:
+                    self._conn = conn
+                    waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
+                    for payloads in waiting:
+                        if payloads := [p for p in payloads if self.keep(p)]:
+                            self._send_batch(None, payloads)
+                    self._tell("connected")
+                    await lost
             finally:  # also when close() cancels this task: the connection goes with it
                 conn.transport.close()
-                self._conn = None
-            self._tell("disconnected")
+                self._conn = self._challenge = None
+            if answered:
+                self._tell("disconnected")
             await asyncio.sleep(RECONNECT_SECONDS)
+
+    async def _answer(self, conn: _Connection, lost: asyncio.Future) -> bool:
+        """Open with the preamble, wait for the challenge and answer it; whether the
+        challenge came (a connection closed or refused before it did is given up)."""
+        self._challenge = challenge = asyncio.get_running_loop().create_future()
+        conn.transport.write(PREAMBLE)
+        await asyncio.wait([challenge, lost], timeout=HANDSHAKE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        if not challenge.done():
+            if not lost.done():
+                conn.refuse(f"it sent no challenge within {HANDSHAKE_SECONDS:g}s (a daemon of an older framing?)")
+            return False
+        proof = self.prove(challenge.result(), self.identity) if self.prove is not None else b""
+        # Nothing awaits between this and the caller's taking the connection: what
+        # arrives next is an answer to it, never a challenge.
+        conn.transport.write(encode([self.identity, proof]))
+        return True
 
     def _tell(self, event: str) -> None:
         try:
@@ -342,7 +415,14 @@ class PeerLink:
             log.exception("%s: handling a connection change failed", self.endpoint)
 
     def received(self, conn: _Connection, frames: list[bytes]) -> None:
-        self._on_message(frames)
+        if conn is self._conn:
+            self._on_message(frames)
+            return
+        challenge = self._challenge
+        if challenge is None or challenge.done() or len(frames) != 1 or len(frames[0]) != NONCE_BYTES:
+            conn.refuse(f"its first message must be a challenge of {NONCE_BYTES} bytes, and nothing may come before it is answered")
+            return
+        challenge.set_result(frames[0])
 
     def post(self, payload: bytes) -> None:
         self._outbox.post(payload)

@@ -435,12 +435,21 @@ class PrefillService(RoomService):
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
         room = self.rooms.find(msg.room)
+        w = self.work.get(msg.room)
+        if w is not None and w.peer and w.peer != peer.identity:
+            # Another decode daemon's room under the same id (a second request for it
+            # was refused as duplicate_room): its failure is not this peer's to make.
+            # Nothing of ours is aimed at this peer for it, so its pages may go.
+            self.count_failure("ignored:room-of-another-peer")
+            log.warning("room %d: ignored room_failed from decode daemon %s: the room belongs to another decode daemon (%s)",
+                        msg.room, peer.hello.name or peer.label, msg.reason)
+            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="this prefill wrote nothing for your room under this id", fenced=True))
+            return
         if room is not None and not room.finished:
             self.fail(room, msg.code, f"decode side: {msg.reason}")
             return
         if room is None and msg.room not in self.finished:  # its request never reached us: a later send() hears why
             self.remember(msg.room, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
-        w = self.work.get(msg.room)
         if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
             self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
 

@@ -67,6 +67,7 @@ class Unauthenticated(PdxferError):
 
 
 MAC_BYTES = 16
+HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"
 
 
 class Seal:
@@ -84,6 +85,13 @@ class Seal:
             mac.update(len(payload).to_bytes(8, "little"))
             mac.update(payload)
         return mac.digest()[:MAC_BYTES]
+
+    def prove(self, nonce: bytes, identity: bytes) -> bytes:
+        """Proof that whoever answers the bootstrap channel's challenge ``nonce`` as
+        ``identity`` holds this secret (see peer_channel). The tag keeps a proof from
+        ever being a daemon's envelope mac (those start with its hex incarnation); the
+        nonce has a fixed size, so nonce and identity cannot be re-cut."""
+        return hmac.new(self.secret, HANDSHAKE_TAG + nonce + identity, hashlib.sha256).digest()[:MAC_BYTES]
 
     def envelope(self, payloads: list[bytes]) -> bytes:
         mac = self._mac(self.incarnation, payloads) if self.secret else b""

@@ -1,7 +1,8 @@
 """Blocking ends of the bootstrap channel for tests that play one daemon by hand:
 ``PeerSocket`` connects as a decode daemon would, ``PeerListener`` listens as a
-prefill daemon would. Both speak pdxfer.peer_channel's framing with plain sockets;
-``decode_hello`` is the first thing a hand-played decode daemon says."""
+prefill daemon without a cluster secret would. Both speak pdxfer.peer_channel's
+framing and handshake with plain sockets; ``decode_hello`` is the first thing a
+hand-played decode daemon says."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import select
 import socket
 import time
 
-from pdxfer.peer_channel import PREAMBLE, Deframer, encode, split_endpoint
+from pdxfer.peer_channel import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
 from pdxfer.plan import compat_of
 from pdxfer.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
+from pdxfer.wire import Seal
 
 NO_LIMIT = 1 << 31
 
@@ -31,14 +33,17 @@ def decode_hello(client, incarnation: str, name: str) -> PeerHello:
 
 class PeerSocket:
     """A connection to a prefill daemon's bootstrap endpoint under ``identity``
-    (random by default)."""
+    (random by default), its challenge answered with a proof made with ``secret``
+    (with none, an empty proof)."""
 
-    def __init__(self, endpoint: str, identity: bytes = b"") -> None:
+    def __init__(self, endpoint: str, identity: bytes = b"", secret: bytes = b"") -> None:
         self.sock = socket.create_connection(split_endpoint(endpoint), timeout=5)
         self.identity = identity or os.urandom(8)
-        self.sock.sendall(PREAMBLE + encode([self.identity]))
         self._deframer = Deframer(NO_LIMIT)
         self._received: collections.deque = collections.deque()
+        self.sock.sendall(PREAMBLE)
+        (self.nonce,) = self.recv_multipart()
+        self.sock.sendall(encode([self.identity, Seal("", secret).prove(self.nonce, self.identity) if secret else b""]))
 
     def send_multipart(self, frames: list[bytes]) -> None:
         self.sock.sendall(encode(frames))
@@ -101,8 +106,9 @@ class PeerListener:
                 return
             assert state[0].startswith(PREAMBLE), state[0][:16]
             data, state[0] = state[0][len(PREAMBLE) :], None
+            sock.sendall(encode([os.urandom(NONCE_BYTES)]))
         for frames in state[1].feed(data):
-            if state[2] is None:
+            if state[2] is None:  # its identity and a proof, which a listener without a secret takes on trust
                 state[2] = frames[0]
                 self._by_identity[state[2]] = sock
             else:

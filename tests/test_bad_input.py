@@ -12,7 +12,9 @@ Both endpoints of a LIVE daemon pair are fed by raw ZMQ DEALER sockets from the 
   frame counts, garbage envelopes, valid envelopes around random payloads, peer
   messages before any hello, hellos with the wrong version or compatibility, and,
   against a daemon started with --cluster-secret-file, unsigned or wrongly signed
-  messages. Every one must get a ``peer_error`` or ``peer_refused`` reply.
+  messages on a connection that proved the secret in its handshake (one that did not
+  is refused before its first message: test_peer_auth.py). Every one must get a
+  ``peer_error`` or ``peer_refused`` reply.
 
 After every message the daemon must still run and its room and slot tables (and
 peer count) must be what they were. Requests that legitimately change state (abort of
@@ -707,7 +709,8 @@ def signed(tmp_path_factory):
     daemon = start_daemon("prefill", runtime, "--cluster-secret-file", str(secret), "--max-message-bytes", str(MAX_BYTES),
                           *HB_FLAGS, name="signed", stderr=log)
     client = engine(daemon, small_layout(), slots=NUM_SLOTS, payload=PAYLOAD)
-    sock = PeerSocket(daemon.bootstrap)
+    # With the secret: a connection without it is refused before any message (test_peer_auth.py).
+    sock = PeerSocket(daemon.bootstrap, secret=SECRET)
     try:
         yield Live(daemon, client), sock, str(secret), runtime
     finally:
@@ -777,7 +780,7 @@ def test_signed_but_malformed_or_premature_messages_to_a_signed_prefill_get_peer
 def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves_bytes(signed):
     live, _, secret, runtime = signed
     assert _HELLO.compat == compat_of(live.client.kv.layout, live.client.aux.slot_bytes)
-    sock = PeerSocket(live.daemon.bootstrap)
+    sock = PeerSocket(live.daemon.bootstrap, secret=SECRET)
     try:
         seal = Seal("c" * 16, SECRET)
         reply = ask_peer(sock, seal.seal([CODEC.encode(msgspec.structs.replace(_HELLO, incarnation="c" * 16))]))

@@ -1,11 +1,13 @@
 """The bootstrap channel between daemons (pdxfer.peer_channel): framing cut at any
-byte, bounds checked before bytes are waited for, batching and identity, reconnects,
-and bounded queues. Real TCP on loopback; no daemons."""
+byte, bounds checked before bytes are waited for, batching and identity, the
+handshake that proves an identity, reconnects, and bounded queues. Real TCP on
+loopback; no daemons."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 
 import pytest
 from hypothesis import given
@@ -13,8 +15,9 @@ from hypothesis import strategies as st
 
 from pdxfer.errors import BadMessage
 from pdxfer import peer_channel
-from pdxfer.peer_channel import MAX_FRAMES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
-from pdxfer.wire import SEND_AT
+from pdxfer.peer_channel import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
+from pdxfer.protocol import ErrorCode
+from pdxfer.wire import SEND_AT, Seal
 
 from .roomkit import arrived, free_port
 
@@ -57,20 +60,29 @@ def test_endpoints_parse_with_or_without_scheme_and_for_ipv6():
             split_endpoint(bad)
 
 
+SECRET = b"a-cluster-secret-0123456789"
+OTHER_SECRET = b"another-clusters-secret-0123456789"
+
+
+def prover(secret: bytes):
+    return Seal("", secret).prove if secret else None
+
+
 @pytest.fixture
 async def channel():
     """Factory: (server, link, what the server got as (identity, frames), what the
-    link got, the link's connection events); all closed at teardown."""
+    link got, the link's connection events); all closed at teardown. ``secret`` is
+    the cluster secret of both ends, ``link_secret`` the link's when it differs."""
     made = []
 
-    async def make(port: int = 0, max_bytes: int = 1 << 20, serve: bool = True):
+    async def make(port: int = 0, max_bytes: int = 1 << 20, serve: bool = True, secret: bytes = b"", link_secret: bytes | None = None):
         loop = asyncio.get_running_loop()
         at_server, at_link, events = [], [], []
-        server = PeerServer("127.0.0.1", port, max_bytes)
+        server = PeerServer("127.0.0.1", port, max_bytes, prover(secret))
         bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)))
         if serve:
             await server.serve()
-        link = PeerLink(bound, b"link-1", max_bytes)
+        link = PeerLink(bound, b"link-1", max_bytes, prover(secret if link_secret is None else link_secret))
         link.start(loop, at_link.append, events.append)
         made.extend((link, server))
         return server, link, at_server, at_link, events
@@ -180,7 +192,7 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
     host, port = split_endpoint(server.bound)
     raw = socket.create_connection((host, port))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    raw.sendall(PREAMBLE + encode([b"stuck"]))
+    raw.sendall(PREAMBLE + encode([b"stuck", b""]))  # its challenge unread: a server without a secret takes the claim
     try:
         await arrived(lambda: b"stuck" in server._by_identity)
         conn = server._by_identity[b"stuck"]
@@ -192,19 +204,19 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
         raw.close()
 
 
-async def test_a_connection_that_never_names_itself_is_closed(channel, monkeypatch):
+async def test_a_connection_that_never_answers_its_challenge_is_closed(channel, monkeypatch):
     monkeypatch.setattr(peer_channel, "HANDSHAKE_SECONDS", 0.2)
     server, link, at_server, _, _ = await channel()
     reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
     writer.write(PREAMBLE)  # the preamble, then nothing
-    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert len(await asyncio.wait_for(reader.read(), 5)) == len(encode([b"n" * NONCE_BYTES]))  # the challenge, then the close
     writer.close()
     link.post(b"named")  # a link that did name itself stays
     await arrived(lambda: at_server)
     assert at_server == [(b"link-1", [b"named"])]
 
 
-async def test_refused_connections_are_logged_once_per_interval_with_a_count(channel, caplog):
+async def test_refused_connections_are_logged_once_per_interval_with_a_count(channel, caplog, monkeypatch):
     server, _, _, _, _ = await channel()
     host, port = split_endpoint(server.bound)
     for _ in range(4):
@@ -214,10 +226,126 @@ async def test_refused_connections_are_logged_once_per_interval_with_a_count(cha
         writer.close()
     refusals = [r for r in caplog.records if "closing a connection" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]
-    server.refusals.logged_at = 0.0  # the interval passed: the next one reports the rest
+    monkeypatch.setattr(peer_channel, "REFUSAL_LOG_SECONDS", 0.0)  # the interval passed: the next one reports the rest
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"GET / HTTP/1.1\r\n")
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
     refusals = [r.getMessage() for r in caplog.records if "closing a connection" in r.getMessage()]
     assert len(refusals) == 2 and "(3 more refused since the last report)" in refusals[1], refusals
+
+
+# --- the handshake: an identity is proven, not claimed
+
+
+async def read_message(reader: asyncio.StreamReader) -> list[bytes]:
+    (count,) = struct.unpack("<I", await reader.readexactly(4))
+    lengths = struct.unpack(f"<{count}I", await reader.readexactly(4 * count))
+    return [await reader.readexactly(n) for n in lengths]
+
+
+async def challenged(bound: str):
+    """A raw connection that opened with the preamble: (reader, writer, its challenge)."""
+    reader, writer = await asyncio.open_connection(*split_endpoint(bound))
+    writer.write(PREAMBLE)
+    (nonce,) = await asyncio.wait_for(read_message(reader), 5)
+    assert len(nonce) == NONCE_BYTES
+    return reader, writer, nonce
+
+
+async def closed(reader: asyncio.StreamReader) -> bytes:
+    """What arrived until the server closed the connection."""
+    try:
+        return await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:  # closed by abort
+        return b""
+
+
+async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connected_peer(channel):
+    server, link, at_server, at_link, events = await channel(secret=SECRET)
+    refused = []
+    server.on_refused = lambda code, why: refused.append(code) or [b"refused: " + why.encode()]
+    link.post(b"x")
+    await arrived(lambda: at_server)
+    held = server._by_identity[b"link-1"]
+    # The identity alone, as before the handshake; then with no proof; then with a proof made with another secret.
+    reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
+    writer.write(PREAMBLE + encode([b"link-1"]))
+    await closed(reader)
+    for proof in (lambda nonce: b"", lambda nonce: Seal("", OTHER_SECRET).prove(nonce, b"link-1")):
+        reader, writer, nonce = await challenged(server.bound)
+        writer.write(encode([b"link-1", proof(nonce)]) + encode([b"said after the handshake"]))
+        last = Deframer(1 << 20).feed(await closed(reader))
+        assert last == [[b"refused: it named itself b'link-1' without proof of this cluster's secret"]], last
+    assert refused == [ErrorCode.BAD_MESSAGE, ErrorCode.UNAUTHENTICATED, ErrorCode.UNAUTHENTICATED]
+    # The peer that proved the identity holds it, hears what is posted to it, and was never disconnected.
+    assert server._by_identity[b"link-1"] is held and events == ["connected"]
+    server.post(b"link-1", b"still yours")
+    link.post(b"y")
+    await arrived(lambda: [b"still yours"] in at_link and len(at_server) == 2)
+    assert at_server == [(b"link-1", [b"x"]), (b"link-1", [b"y"])]
+
+
+async def test_a_recorded_answer_is_refused_on_another_connection(channel):
+    server, _, _, _, _ = await channel(secret=SECRET)
+    refused = []
+    server.on_refused = lambda code, why: refused.append(code) or []
+    reader, writer, nonce = await challenged(server.bound)
+    answer = encode([b"recorded", Seal("", SECRET).prove(nonce, b"recorded")])
+    writer.write(answer)
+    await arrived(lambda: b"recorded" in server._by_identity)
+    held = server._by_identity[b"recorded"]
+    replayer, replay, other_nonce = await challenged(server.bound)
+    assert other_nonce != nonce
+    replay.write(answer)
+    assert await closed(replayer) == b""
+    assert refused == [ErrorCode.UNAUTHENTICATED]
+    assert server._by_identity[b"recorded"] is held
+    server.post(b"recorded", b"to the one that proved it")
+    assert await asyncio.wait_for(read_message(reader), 5) == [b"to the one that proved it"]
+    writer.close()
+
+
+async def test_a_link_without_the_secret_is_refused_and_hears_why(channel):
+    server, link, at_server, at_link, events = await channel(secret=SECRET, link_secret=b"")
+    refused = []
+    server.on_refused = lambda code, why: refused.append(code) or [b"not without the secret"]
+    link.post(b"let me in")
+    await arrived(lambda: [b"not without the secret"] in at_link and "disconnected" in events)
+    assert at_server == [] and server._by_identity == {}
+    assert refused and set(refused) == {ErrorCode.UNAUTHENTICATED}
+
+
+async def test_without_a_secret_on_the_server_an_identity_is_only_claimed(channel):
+    """A link with a secret reaches a server without one: the server cannot check
+    the proof, so it takes the claim (the envelopes' macs then fail on the link's side)."""
+    server, link, at_server, at_link, events = await channel(link_secret=SECRET)
+    link.post(b"claimed")
+    await arrived(lambda: at_server)
+    assert at_server == [(b"link-1", [b"claimed"])] and events == ["connected"]
+    reader, writer, _ = await challenged(server.bound)
+    writer.write(encode([b"link-1", b""]))  # anyone may then take it over
+    await arrived(lambda: events == ["connected", "disconnected"])
+    writer.close()
+
+
+async def test_a_link_to_a_server_that_sends_no_challenge_gives_up_and_tries_again(monkeypatch):
+    monkeypatch.setattr(peer_channel, "HANDSHAKE_SECONDS", 0.2)
+    accepted = []
+
+    async def silent(reader, writer):  # a bootstrap port of an older framing would close; this one just says nothing
+        accepted.append(await reader.readexactly(len(PREAMBLE)))
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    link = PeerLink(f"tcp://127.0.0.1:{port}", b"link-1", 1 << 20, prover(SECRET))
+    refused, events = [], []
+    link.on_refused = lambda code, why: refused.append(code) or []
+    link.start(asyncio.get_running_loop(), lambda frames: None, events.append)
+    try:
+        await arrived(lambda: len(accepted) >= 2)
+        assert accepted[0] == PREAMBLE and refused[0] is ErrorCode.BAD_MESSAGE
+        assert events == []  # never connected: nothing posted could have left
+    finally:
+        link.close()
+        listener.close()

@@ -1,0 +1,158 @@
+"""Who a peer is, proven rather than claimed (issue 30, item 3), with real daemons:
+with --cluster-secret-file on both daemons, a process without the secret that names
+a decode daemon on the prefill's bootstrap port (its incarnation is in its ready
+line and in every envelope on the wire) is refused, logged and counted, and the real
+decode daemon's rooms go on to succeed. An admin request without the secret is
+refused, logged and counted too. And a room id that a second decode daemon also
+expects fails only there, not for the first one.
+
+The handshake itself (wrong proof, replayed proof, secret on one side only) is tested
+without daemons in test_peer_channel.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from pdxfer import protocol as p
+from pdxfer.inspection import AdminClient, CommandError
+from pdxfer.peer_channel import PREAMBLE, encode, split_endpoint
+from pdxfer.protocol import RoomState
+
+from .conftest import needs_mooncake
+from .peersocket import PeerSocket
+from .roomkit import HB_BOUND, HB_FLAGS, SLACK, all_in, engine, room_ids, send_room, start_room, statuses, wait_until
+
+pytestmark = [needs_mooncake, pytest.mark.integration, pytest.mark.timeout(180)]
+
+SECRET = b"pdxfer-test-cluster-secret-0123456789"
+CODEC = p.Codec()
+ROOMS = 7
+
+
+@pytest.fixture
+def secret_file(tmp_path) -> str:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    return str(path)
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Read and discard until the other end closes (True) or ``timeout`` passes (False)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:  # closed by abort
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
+def logged(daemon, *parts: str) -> bool:
+    with open(daemon.log_path) as fh:
+        return any(all(part in line for part in parts) for line in fh)
+
+
+def test_a_peer_without_the_secret_cannot_take_over_a_decode_daemons_identity(daemons, secret_file):
+    prefill = daemons("prefill", "--cluster-secret-file", secret_file, *HB_FLAGS)
+    decode = daemons("decode", "--cluster-secret-file", secret_file, *HB_FLAGS)
+    pc, dc = engine(prefill), engine(decode)
+    impostors = []
+    try:
+        # Live rooms: requested by the decode daemon and accepted, their KV not sent yet.
+        cases = [start_room(pc, dc, prefill.bootstrap, 500 + i, [2 * i, 2 * i + 1], [100 + 2 * i, 101 + 2 * i], seed=i, send=False)
+                 for i in range(ROOMS)]
+        ids = room_ids(cases)
+        wait_until(lambda: all_in(dc, ids, RoomState.WAITING_FOR_INPUT), 10 + SLACK, "the rooms to be accepted by the prefill")
+        identity = decode.ready["incarnation"].encode()  # what the attacker reads off the wire
+
+        # As the framing had it: the preamble, then a frame naming the decode daemon.
+        claim = socket.create_connection(split_endpoint(prefill.bootstrap), timeout=5)
+        impostors.append(claim)
+        claim.sendall(PREAMBLE + encode([identity]))
+        time.sleep(HB_BOUND + 0.5)  # a decode daemon whose connection the prefill dropped fails its rooms at once
+        live = all_in(dc, ids, RoomState.WAITING_FOR_INPUT)
+        assert live, f"the impostor's claim failed the real decode daemon's rooms: {statuses(dc, ids)}"
+        assert closed_by_peer(claim, 5), "the prefill kept a connection that claimed an identity without proving it"
+
+        # As the handshake has it: the decode daemon's identity with a proof made without the secret.
+        forged = PeerSocket(prefill.bootstrap, identity, secret=b"not-this-clusters-secret-0123456789")
+        impostors.append(forged.sock)
+        refusal = forged.recv_multipart()
+        reply = CODEC.peer_messages.decode(refusal[1])
+        assert isinstance(reply, p.PeerRefused) and reply.code is p.ErrorCode.UNAUTHENTICATED, reply
+        assert closed_by_peer(forged.sock, 5), "the prefill kept a connection whose proof did not verify"
+
+        assert all_in(dc, ids, RoomState.WAITING_FOR_INPUT), statuses(dc, ids)
+        for case in cases:
+            send_room(case)
+        wait_until(lambda: all_in(dc, ids, RoomState.SUCCESS, RoomState.FAILED), 10 + SLACK, "the decode rooms to finish")
+        assert all_in(dc, ids, RoomState.SUCCESS), statuses(dc, ids)
+        for case in cases:
+            case.check_bytes()
+        wait_until(lambda: all_in(pc, ids, RoomState.SUCCESS), 5 + SLACK, "the prefill rooms to succeed")
+
+        failures = pc.stats().failures
+        assert failures.get("unauthenticated:peer-connection") == 1, failures
+        assert failures.get("bad_message:peer-connection") == 1, failures
+        assert pc.stats().peers == 1
+        # Each refusal is logged with the impostor's address; a kind's first is logged at once.
+        for sock, why in ((claim, "its first message must be its identity"), (forged.sock, "without proof of this cluster's secret")):
+            assert logged(prefill, f"closing a connection from ('127.0.0.1', {sock.getsockname()[1]})", why), why
+    finally:
+        for sock in impostors:
+            sock.close()
+        pc.close()
+        dc.close()
+
+
+def test_an_admin_request_without_the_secret_is_refused_logged_and_counted(daemons, secret_file):
+    decode = daemons("decode", "--cluster-secret-file", secret_file)
+    admin = decode.ready["admin"]
+    dc = engine(decode)
+    try:
+        assert "unauthenticated:admin-message" not in dc.stats().failures
+        with AdminClient(admin) as unsigned, pytest.raises(CommandError, match="unauthenticated"):
+            unsigned.call(p.AdminPeers)
+        with AdminClient(admin, b"another-clusters-secret-0123456789") as other, pytest.raises(CommandError, match="not signed"):
+            other.call(p.AdminPeers)
+        with AdminClient(admin, SECRET) as signed:
+            assert isinstance(signed.call(p.AdminPeers), p.PeersReply)
+        assert dc.stats().failures.get("unauthenticated:admin-message") == 2, dc.stats().failures
+        # The first is logged at once; the second, in the same interval, is counted towards the next report.
+        wait_until(lambda: logged(decode, "refused an admin request", "not signed with this cluster's secret"), 5, "the refusal to be logged")
+    finally:
+        dc.close()
+
+
+def test_a_room_a_second_decode_daemon_also_expects_fails_only_there(daemons):
+    """Decode A expects room R from a prefill, then decode B expects R too: the prefill
+    refuses B's request, B's room fails (and is fenced: nothing was written for it),
+    and B's room_failed for R, which the prefill knows as A's, leaves A's room alone."""
+    prefill = daemons("prefill", *HB_FLAGS)
+    first = daemons("decode", *HB_FLAGS, name="decode-a")
+    second = daemons("decode", *HB_FLAGS, name="decode-b")
+    pc, ac, bc = engine(prefill), engine(first), engine(second)
+    try:
+        room = 42
+        case = start_room(pc, ac, prefill.bootstrap, room, [1, 2], [3, 4], seed=1, send=False)
+        wait_until(lambda: ac.poll(room).state is RoomState.WAITING_FOR_INPUT, 10 + SLACK, "A's room to be accepted")
+        bc.expect(room, prefill.bootstrap, [5, 6], bc.alloc_slot())
+        theirs = wait_until(lambda: (s := bc.poll(room)).state is RoomState.FAILED and s, 5 + SLACK, "B's room to fail")
+        assert theirs.state is RoomState.FAILED and theirs.code is p.ErrorCode.DUPLICATE_ROOM, theirs
+        time.sleep(0.5)  # B's room_failed has reached the prefill by now
+        assert ac.poll(room).state is RoomState.WAITING_FOR_INPUT, ac.poll(room)
+        # The prefill wrote nothing for B's room: it says so, and B may reuse its pages.
+        wait_until(lambda: bc.poll(room).fenced, 5 + SLACK, "B's failed room to be fenced")
+        send_room(case)
+        assert ac.wait(room).state is RoomState.SUCCESS, ac.poll(room)
+        case.check_bytes()
+        assert pc.wait(room).state is RoomState.SUCCESS, pc.poll(room)
+        assert pc.stats().failures.get("ignored:room-of-another-peer") == 1, pc.stats().failures
+    finally:
+        for client in (pc, ac, bc):
+            client.close()
