@@ -30,7 +30,7 @@ from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
+from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, label, primary
 from .peer_channel import PeerLink, PeerServer
@@ -349,11 +349,11 @@ class Daemon:
 
     def _on_bootstrap(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            incarnation, payloads = self.seal.open(frames)
+            # A prefill without a secret refuses a signed decode daemon: that one would
+            # drop every unsigned answer and wait out its rooms' bootstrap timeout.
+            incarnation, payloads = self.seal.open(frames, refuse_signed=True)
         except Unauthenticated as exc:
-            self.service.count_failure("unauthenticated")
-            log.warning("refused an unauthenticated bootstrap message: %s", exc)
-            self._send_bootstrap(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=str(exc)))
+            self.service.refuse_unauthenticated(identity, frames[1:], exc.message)
             return
         except BadMessage as exc:
             self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
@@ -481,8 +481,11 @@ class Daemon:
     def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
         try:
             incarnation, payloads = self.seal.open(frames)
-        except (Unauthenticated, BadMessage) as exc:
-            self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
+        except Unauthenticated as exc:
+            self.service.link_unauthenticated(endpoint, exc.message)
+            return
+        except BadMessage as exc:
+            self.service.count_failure("bad_message")
             log.warning("dropped a message from prefill %s: %s", endpoint, exc)
             return
         for payload in payloads:

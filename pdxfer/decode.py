@@ -364,6 +364,19 @@ class DecodeService(RoomService):
         self.links.pop(link.endpoint, None)
         self.close_link(link.endpoint)
 
+    def link_unauthenticated(self, endpoint: str, why: str) -> None:
+        """A message from the prefill whose signature does not check (wire.Seal says
+        which side lacks the secret): nothing in it is believed, but the link's live
+        rooms fail now, naming the cluster secret, instead of at the bootstrap timeout.
+        That gives no one a power they lacked: whoever can put bytes on this
+        connection can close it, which fails the same rooms. Fencing still takes proof
+        (stop_writes): only a request still held, never sent, is fenced at once."""
+        self.count_failure("unauthenticated")
+        log.warning("dropped a message from prefill %s: %s", endpoint, why)
+        link = self.links.get(endpoint)
+        if link is not None:
+            self._fail_link(link, ErrorCode.UNAUTHENTICATED, f"prefill {endpoint} sent a message this daemon cannot trust: {why}")
+
     def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str) -> None:
         for room_id in list(link.rooms):
             room = self.rooms.find(room_id)

@@ -209,6 +209,23 @@ class PrefillService(RoomService):
             log.exception("internal error handling %s from peer", type(msg).__name__)
             self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
 
+    def refuse_unauthenticated(self, identity: bytes, payloads: list[bytes], why: str) -> None:
+        """A message whose signature does not check (wire.Seal): refused with the reason,
+        which names the cluster secret, and logged naming the decode daemon as its
+        peer_hello (a connection's first message) names it: unverified, and so quoted,
+        but what an operator looks for."""
+        who = f"incarnation {identity.decode(errors='replace')!r}"
+        for raw in payloads:
+            try:
+                msg = self.codec.peer_messages.decode(raw)
+            except UNDECODABLE:
+                continue
+            if isinstance(msg, PeerHello):
+                who = f"{msg.name!r} session {msg.session!r}, {who}"
+        self.count_failure("unauthenticated")
+        log.warning("refused decode daemon %s (unverified: as it names itself): %s", who, why)
+        self.send_peer(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=why))
+
     def _hold(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         """Keep what decode daemons send before our engine registered (bounded by
         max_rooms); their rooms' bootstrap timeout covers an engine that never does."""

@@ -13,12 +13,15 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
 from pdxfer.launch import start_daemon
+from pdxfer.protocol import ErrorCode, RoomState
 
 from .conftest import needs_mooncake
+from .roomkit import engine, wait_until
 
 pytestmark = needs_mooncake
 
@@ -141,3 +144,37 @@ def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path
     extra = "mooncake" if shutil.which("nvidia-smi") and ctypes.util.find_library("cudart") else "mooncake-cpu"
     assert f"pip install 'pdxfer[{extra}]'" in out.stderr, out.stderr
     refusal(out)
+
+
+NOT_SIGNED = "message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none"
+OTHER_SECRET = "message not signed with the receiver's cluster secret (--cluster-secret-file): the sender has another one"
+
+
+@pytest.mark.parametrize("secrets,reason,logged", [
+    (("a", ""), NOT_SIGNED, NOT_SIGNED),
+    (("", "a"), NOT_SIGNED, "message signed with a cluster secret (--cluster-secret-file), and the receiver has none"),
+    (("a", "b"), OTHER_SECRET, OTHER_SECRET),
+], ids=["prefill-only", "decode-only", "different"])
+def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daemons, tmp_path, secrets, reason, logged):
+    """Either way round (or with two secrets), the decode's room fails within a moment,
+    not at the 30 s bootstrap timeout, saying which side lacks the secret, and the
+    prefill's log names the decode daemon it refused and why."""
+    flags = []
+    for side, letter in zip(("prefill", "decode"), secrets):
+        (tmp_path / side).write_text(letter * 20 + "\n")
+        flags.append(("--cluster-secret-file", str(tmp_path / side)) if letter else ())
+    prefill, decode = daemons("prefill", *flags[0]), daemons("decode", *flags[1])
+    p, d = engine(prefill), engine(decode)
+    try:
+        asked = time.monotonic()
+        d.expect(5, prefill.bootstrap, [1, 2], d.alloc_slot())
+        status = d.wait(5, timeout=10)
+        took = time.monotonic() - asked
+    finally:
+        p.close()
+        d.close()
+    assert status.state is RoomState.FAILED and status.code is ErrorCode.UNAUTHENTICATED and status.fenced, status
+    assert reason in status.reason and took < 5, (status.reason, took)
+    refused = wait_until(lambda: [line for line in open(prefill.log_path) if "refused decode daemon" in line and decode.ready["session"] in line],
+                         10, "the prefill to log the refusal")
+    assert "/decode'" in refused[0] and decode.ready["incarnation"] in refused[0] and logged in refused[0], refused
