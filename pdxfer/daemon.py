@@ -406,7 +406,7 @@ class Daemon:
         """The room table's observer with debug logging: metrics, and one line per transition."""
         self.metrics.observe(room, left, now)
         log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
-                  f" [{room.code.value}] {room.reason}" if room.code else "")
+                  f" [{room.code.value}] {room.reason}" if room.code else "", extra={"room": room.id, "peer": room.peer or None})
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()
@@ -486,7 +486,7 @@ class Daemon:
             return
         except BadMessage as exc:
             self.service.count_failure("bad_message")
-            log.warning("dropped a message from prefill %s: %s", endpoint, exc)
+            log.warning("dropped a message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
             return
         for payload in payloads:
             self.service.on_link(endpoint, incarnation, payload)
