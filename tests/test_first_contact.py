@@ -1,12 +1,15 @@
 """What a new user hits in a first hour with `pdxfer serve` (issue 31): a daemon must
 refuse, in one line that names the fix, what would otherwise take over another
 daemon's sockets, hang, claim a protocol it does not use, change a shared
-directory's mode, or end in a traceback after the transfer engines started."""
+directory's mode, or end in a traceback after the transfer engines started; a cluster
+secret set on one side only must fail rooms at once, saying so; and the README's engine
+example must be a file that runs as the README shows it."""
 
 from __future__ import annotations
 
 import ctypes.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +24,7 @@ from pdxfer.launch import start_daemon
 from pdxfer.protocol import ErrorCode, RoomState
 
 from .conftest import needs_mooncake
-from .roomkit import engine, wait_until
+from .roomkit import engine, free_port, wait_until
 
 pytestmark = needs_mooncake
 
@@ -178,3 +181,45 @@ def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daem
     refused = wait_until(lambda: [line for line in open(prefill.log_path) if "refused decode daemon" in line and decode.ready["session"] in line],
                          10, "the prefill to log the refusal")
     assert "/decode'" in refused[0] and decode.ready["incarnation"] in refused[0] and logged in refused[0], refused
+
+
+# --- the README's engine example
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_block(language: str, containing: str) -> str:
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        blocks = re.findall(rf"```{language}\n(.*?)```", fh.read(), re.S)
+    found = [block for block in blocks if containing in block]
+    assert len(found) == 1, f"{len(found)} {language} blocks in the README contain {containing!r}"
+    return found[0]
+
+
+def test_the_readme_shows_the_engine_example_file_in_full():
+    with open(os.path.join(ROOT, "examples", "engine.py")) as fh:
+        assert readme_block("python", "from pdxfer.client import Client") == fh.read()
+
+
+def test_the_readme_engine_example_runs_as_written(runtime_dir):
+    """The README's lines as they stand, but for a free port and a directory of this
+    test's (8998 and /tmp/pdx-example may be another user's) and the activation of
+    .venv: this suite's interpreter goes first on PATH instead, with this checkout's
+    pdxfer on PYTHONPATH whatever that environment has installed."""
+    script = readme_block("sh", "python examples/engine.py")
+    assert script.startswith(". .venv/bin/activate\n") and "8998" in script and "/tmp/pdx-example" in script, script
+    script = script.removeprefix(". .venv/bin/activate\n").replace("8998", str(free_port())).replace("/tmp/pdx-example", runtime_dir)
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), "PYTHONPATH": ROOT}
+    shell = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+    try:
+        out, _ = shell.communicate(timeout=120)
+    finally:  # the daemons too, should the script not have stopped them
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    lines = out.splitlines()
+    assert "prefill room 7: success" in lines and "decode room 7: success" in lines, out
+    assert not any(line.startswith("Traceback") for line in lines), out
+    for role in ("prefill", "decode"):  # the script's last line stopped both daemons
+        assert any(line.endswith(f"pdxfer {role} daemon {role} stopped") for line in lines), out
