@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 
@@ -13,31 +12,6 @@ import msgspec
 from . import config as config_mod
 
 log = logging.getLogger("pdxfer")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, fmt: str, name: str = "") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        prefix = f"[{name}] " if name else ""
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdxfer serve: {exc}", file=sys.stderr)
         return 2
+    from .logs import setup_logging
+
     setup_logging(cfg.log_level, cfg.log_format, cfg.instance)
     from .daemon import Daemon
     from .errors import PdxferError

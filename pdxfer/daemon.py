@@ -30,7 +30,7 @@ from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
+from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from .peer_channel import PeerLink, PeerServer, Prove, RefusalLog
@@ -359,11 +359,11 @@ class Daemon:
 
     def _on_bootstrap(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            incarnation, payloads = self.seal.open(frames)
+            # A prefill without a secret refuses a signed decode daemon: that one would
+            # drop every unsigned answer and wait out its rooms' bootstrap timeout.
+            incarnation, payloads = self.seal.open(frames, refuse_signed=True)
         except Unauthenticated as exc:
-            self.service.count_failure("unauthenticated")
-            log.warning("refused an unauthenticated bootstrap message: %s", exc)
-            self._send_bootstrap(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=str(exc)))
+            self.service.refuse_unauthenticated(identity, frames[1:], exc.message)
             return
         except BadMessage as exc:
             self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
@@ -431,7 +431,7 @@ class Daemon:
         """The room table's observer with debug logging: metrics, and one line per transition."""
         self.metrics.observe(room, left, now)
         log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
-                  f" [{room.code.value}] {room.reason}" if room.code else "")
+                  f" [{room.code.value}] {room.reason}" if room.code else "", extra={"room": room.id, "peer": room.peer or None})
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()
@@ -522,9 +522,12 @@ class Daemon:
     def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
         try:
             incarnation, payloads = self.seal.open(frames)
-        except (Unauthenticated, BadMessage) as exc:
-            self.service.count_failure("unauthenticated" if isinstance(exc, Unauthenticated) else "bad_message")
-            log.warning("dropped a message from prefill %s: %s", endpoint, exc)
+        except Unauthenticated as exc:
+            self.service.link_unauthenticated(endpoint, exc.message)
+            return
+        except BadMessage as exc:
+            self.service.count_failure("bad_message")
+            log.warning("dropped a message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
             return
         for payload in payloads:
             self.service.on_link(endpoint, incarnation, payload)

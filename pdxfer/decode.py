@@ -258,19 +258,19 @@ class DecodeService(RoomService):
         try:
             msg = self.codec.peer_messages.decode(raw)
         except UNDECODABLE as exc:
-            log.warning("undecodable message from prefill %s: %s", endpoint, exc)
+            log.warning("undecodable message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
             return
         try:
             self._dispatch_link(link, msg)
         except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)
-            log.warning("prefill %s sent %s out of order: %s", endpoint, type(msg).__name__, exc)
+            log.warning("prefill %s sent %s out of order: %s", endpoint, type(msg).__name__, exc, extra={"peer": endpoint})
             self.send_link(endpoint, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"{type(msg).__name__} out of order: {exc.message}", room=getattr(msg, "room", 0)))
         except PdxferError as exc:
-            log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc)
+            log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc, extra={"peer": endpoint})
             self.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception:  # H1
             self.count_failure("internal")
-            log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint)
+            log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint, extra={"peer": endpoint})
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
         if isinstance(msg, AuxRecord):  # every room's, so asked first
@@ -291,7 +291,7 @@ class DecodeService(RoomService):
         if isinstance(msg, PeerWelcome):
             link.ready, link.incarnation, link.session = True, msg.incarnation, msg.session
             link.clock_sample(msg.clock, self.clock())
-            log.info("prefill daemon %s (incarnation %s) accepted this daemon", link.endpoint, msg.incarnation)
+            log.info("prefill daemon %s (incarnation %s) accepted this daemon", link.endpoint, msg.incarnation, extra={"peer": link.endpoint})
             for request in link.held.values():
                 self._send_request(link, request)
             link.held.clear()
@@ -339,7 +339,7 @@ class DecodeService(RoomService):
         return room
 
     def _peer_error(self, link: PrefillLink, msg: PeerError) -> None:
-        log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message)
+        log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message, extra={"room": msg.room or None, "peer": link.endpoint})
         if msg.code is ErrorCode.UNKNOWN_PEER:
             if not link.ready:
                 # Our rooms here already failed; this may answer something sent before
@@ -356,13 +356,26 @@ class DecodeService(RoomService):
             self.fail(room, msg.code, f"prefill side: {msg.message}")
 
     def _refused(self, link: PrefillLink, msg: PeerRefused) -> None:
-        log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason)
+        log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason, extra={"peer": link.endpoint})
         for room_id in list(link.rooms):
             if room_id in self.work:
                 self.work[room_id].peer_fenced = True  # it refused us: it never wrote
         self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
         self.close_link(link.endpoint)
+
+    def link_unauthenticated(self, endpoint: str, why: str) -> None:
+        """A message from the prefill whose signature does not check (wire.Seal says
+        which side lacks the secret): nothing in it is believed, but the link's live
+        rooms fail now, naming the cluster secret, instead of at the bootstrap timeout.
+        That gives no one a power they lacked: whoever can put bytes on this
+        connection can close it, which fails the same rooms. Fencing still takes proof
+        (stop_writes): only a request still held, never sent, is fenced at once."""
+        self.count_failure("unauthenticated")
+        log.warning("dropped a message from prefill %s: %s", endpoint, why, extra={"peer": endpoint})
+        link = self.links.get(endpoint)
+        if link is not None:
+            self._fail_link(link, ErrorCode.UNAUTHENTICATED, f"prefill {endpoint} sent a message this daemon cannot trust: {why}")
 
     def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str) -> None:
         for room_id in list(link.rooms):
@@ -498,7 +511,7 @@ class DecodeService(RoomService):
     def _forget_link(self, link: PrefillLink) -> None:
         """An idle link to a prefill not heard from in a long while: close it, so
         churn in prefill addresses cannot grow links and heartbeats without end."""
-        log.info("closing idle link to prefill %s", link.endpoint)
+        log.info("closing idle link to prefill %s", link.endpoint, extra={"peer": link.endpoint})
         self.links.pop(link.endpoint, None)
         self.close_link(link.endpoint)
 
@@ -516,7 +529,7 @@ class DecodeService(RoomService):
         recovered or restarted prefill gets new rooms as usual."""
         self.count_failure("peers_declared_dead")
         live = sum(1 for r in link.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
-        log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason)
+        log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason, extra={"peer": link.endpoint})
         link.last_heard = self.clock()
         self._fail_link(link, ErrorCode.PEER_DEAD, reason)
 
@@ -592,7 +605,7 @@ class DecodeService(RoomService):
         if link is not None and room.slot >= 0:
             link.unfenced[room.id] = (room.slot, room.generation)
         log.warning("room %d: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
-                    room.id, room.slot, w.link, w.link.removeprefix("tcp://"))
+                    room.id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room.id, "peer": w.link})
         return False
 
     def still_wanted(self, payload: bytes) -> bool:
@@ -659,4 +672,4 @@ class DecodeService(RoomService):
             raise errors.PdxferError(f"no prefill link matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
         for link in matched:
             link.draining = True
-            log.warning("operator drains prefill %s: no new rooms, %d finishing", link.endpoint, len(link.rooms))
+            log.warning("operator drains prefill %s: no new rooms, %d finishing", link.endpoint, len(link.rooms), extra={"peer": link.endpoint})

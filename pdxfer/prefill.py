@@ -209,6 +209,23 @@ class PrefillService(RoomService):
             log.exception("internal error handling %s from peer", type(msg).__name__)
             self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
 
+    def refuse_unauthenticated(self, identity: bytes, payloads: list[bytes], why: str) -> None:
+        """A message whose signature does not check (wire.Seal): refused with the reason,
+        which names the cluster secret, and logged naming the decode daemon as its
+        peer_hello (a connection's first message) names it: unverified, and so quoted,
+        but what an operator looks for."""
+        who, session = f"incarnation {identity.decode(errors='replace')!r}", None
+        for raw in payloads:
+            try:
+                msg = self.codec.peer_messages.decode(raw)
+            except UNDECODABLE:
+                continue
+            if isinstance(msg, PeerHello):
+                who, session = f"{msg.name!r} session {msg.session!r}, {who}", msg.session
+        self.count_failure("unauthenticated")
+        log.warning("refused decode daemon %s (unverified: as it names itself): %s", who, why, extra={"peer": session})
+        self.send_peer(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=why))
+
     def _hold(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         """Keep what decode daemons send before our engine registered (bounded by
         max_rooms); their rooms' bootstrap timeout covers an engine that never does."""
@@ -232,25 +249,25 @@ class PrefillService(RoomService):
             paths.check_engine_release(self.config.protocol, hello.engine_release, f"decode daemon {hello.name or hello.session}'s")
         except errors.Unsupported as exc:
             self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=exc.message))
-            log.warning("refused decode daemon %s: %s", hello.session, exc.message)
+            log.warning("refused decode daemon %s: %s", hello.session, exc.message, extra={"peer": hello.session})
             return
         if hello.sessions and hello.sessions[0] != hello.session:
             reason = f"peer_hello sessions {list(hello.sessions)} do not start with its session {hello.session!r}"
             self.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
-            log.warning("refused decode daemon %s: %s", hello.session, reason)
+            log.warning("refused decode daemon %s: %s", hello.session, reason, extra={"peer": hello.session})
             return
         ours = compat(self.kv, self.aux)
         if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
             diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"
             self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=f"incompatible KV layout: {diff}"))
-            log.warning("refused decode daemon %s: incompatible KV layout: %s", hello.session, diff)
+            log.warning("refused decode daemon %s: incompatible KV layout: %s", hello.session, diff, extra={"peer": hello.session})
             return
         peer = self.peers.get(identity)
         if peer is None:
             for old in [p for p in self.peers.values() if hello.name and p.hello.name == hello.name]:
                 self.declare_dead(old, f"decode daemon {hello.name} restarted (incarnation {old.hello.incarnation} -> {hello.incarnation})")
             self.peers[identity] = peer = DecodePeer(identity, hello, self.clock())
-            log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation)
+            log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation, extra={"peer": hello.session})
         else:
             old, peer.hello = peer.hello, hello
             if hello.memory_version != old.memory_version:
@@ -470,7 +487,7 @@ class PrefillService(RoomService):
         self.peers.pop(peer.identity, None)
         self.count_failure("peers_declared_dead")
         live = sum(1 for r in peer.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
-        log.error("declared decode daemon %s dead, failing its %d live rooms: %s", peer.hello.name or peer.label, live, reason)
+        log.error("declared decode daemon %s dead, failing its %d live rooms: %s", peer.hello.name or peer.label, live, reason, extra={"peer": peer.label})
         for room_id in list(peer.rooms):
             room = self.rooms.find(room_id)
             if room is not None:
@@ -526,4 +543,4 @@ class PrefillService(RoomService):
             raise errors.PdxferError(f"no decode peer matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
         for p in matched:
             p.draining = True
-            log.warning("operator drains decode daemon %s: no new rooms, %d finishing", p.hello.name or p.label, len(p.rooms))
+            log.warning("operator drains decode daemon %s: no new rooms, %d finishing", p.hello.name or p.label, len(p.rooms), extra={"peer": p.label})

@@ -148,7 +148,7 @@ class RoomService:
         # H1: a bug answers this request and nothing else.
         room = getattr(msg, "room", 0)
         self.count_failure("internal")
-        log.error("internal error handling %s for room %s", type(msg).__name__, room, exc_info=exc)
+        log.error("internal error handling %s for room %s", type(msg).__name__, room, exc_info=exc, extra={"room": room or None})
         return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
 
     def _dispatch(self, identity: bytes, msg: Message) -> Message:
@@ -323,7 +323,7 @@ class RoomService:
             return False
         self.count_failure(code.value)
         self.outcomes["failed"] += 1
-        log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason)
+        log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason, extra={"room": room.id, "peer": room.peer or None})
         if room.slot >= 0 and self.aux is not None:
             slot = self.aux.slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.ARMED, SlotState.WRITTEN):
@@ -457,7 +457,7 @@ class RoomService:
         now = self.clock()
         for room in self.rooms.expired(now):
             if room.finished:
-                log.info("room %d dropped: finished %.0fs ago and never released", room.id, now - room.entered)
+                log.info("room %d dropped: finished %.0fs ago and never released", room.id, now - room.entered, extra={"room": room.id})
                 self.drop(room)
             else:
                 limit = self.rooms.timeouts.for_state(room.state)
@@ -473,6 +473,6 @@ class RoomService:
                 log.warning("reclaimed %d aux slots granted over %gs ago and never used: %s", len(reclaimed), self.config.retention, reclaimed[:8])
             for slot in self.aux.slots.expire_fences(now):
                 room = self.rooms.find(slot.room)  # the room it was quarantined for, not its new state
-                log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room)
+                log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room, extra={"room": slot.room})
                 if room is not None and room.generation == slot.generation:
                     self.fenced(room)

@@ -100,8 +100,11 @@ class Seal:
     def seal(self, payloads: list[bytes]) -> list[bytes]:
         return [self.envelope(payloads), *payloads]
 
-    def open(self, frames: list[bytes]) -> tuple[str, list[bytes]]:
-        """(sender incarnation, payloads), or BadMessage / Unauthenticated."""
+    def open(self, frames: list[bytes], refuse_signed: bool = False) -> tuple[str, list[bytes]]:
+        """(sender incarnation, payloads), or BadMessage / Unauthenticated, which says
+        which side lacks the secret: a secret set on one side only is the usual cause.
+        ``refuse_signed``: without a secret, refuse a signed message too (its sender
+        holds a secret this side lacks, and would refuse our unsigned answers)."""
         if not 2 <= len(frames) <= MAX_BATCH + 1:
             raise BadMessage(f"a peer message has an envelope and 1 to {MAX_BATCH} payload frames, not {len(frames)} frames")
         try:
@@ -109,8 +112,14 @@ class Seal:
         except UNDECODABLE as exc:
             raise BadMessage(f"cannot decode the envelope: {exc}") from None
         payloads = frames[1:]
-        if self.secret and not hmac.compare_digest(env.mac, self._mac(env.incarnation, payloads)):
-            raise Unauthenticated("message not signed with this cluster's secret")
+        if self.secret:
+            if not env.mac:
+                raise Unauthenticated("message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none")
+            if not hmac.compare_digest(env.mac, self._mac(env.incarnation, payloads)):
+                raise Unauthenticated("message not signed with the receiver's cluster secret (--cluster-secret-file): "
+                                      "the sender has another one, or the message was altered")
+        elif env.mac and refuse_signed:
+            raise Unauthenticated("message signed with a cluster secret (--cluster-secret-file), and the receiver has none")
         return env.incarnation, payloads
 
 

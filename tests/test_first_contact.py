@@ -1,24 +1,30 @@
 """What a new user hits in a first hour with `pdxfer serve` (issue 31): a daemon must
 refuse, in one line that names the fix, what would otherwise take over another
 daemon's sockets, hang, claim a protocol it does not use, change a shared
-directory's mode, or end in a traceback after the transfer engines started."""
+directory's mode, or end in a traceback after the transfer engines started; a cluster
+secret set on one side only must fail rooms at once, saying so; and the README's engine
+example must be a file that runs as the README shows it."""
 
 from __future__ import annotations
 
 import ctypes.util
 import os
+import re
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
 from pdxfer.launch import start_daemon
+from pdxfer.protocol import ErrorCode, RoomState
 
 from .conftest import needs_mooncake
+from .roomkit import engine, free_port, wait_until
 
 pytestmark = needs_mooncake
 
@@ -141,3 +147,79 @@ def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path
     extra = "mooncake" if shutil.which("nvidia-smi") and ctypes.util.find_library("cudart") else "mooncake-cpu"
     assert f"pip install 'pdxfer[{extra}]'" in out.stderr, out.stderr
     refusal(out)
+
+
+NOT_SIGNED = "message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none"
+OTHER_SECRET = "message not signed with the receiver's cluster secret (--cluster-secret-file): the sender has another one"
+
+
+@pytest.mark.parametrize("secrets,reason,logged", [
+    (("a", ""), NOT_SIGNED, NOT_SIGNED),
+    (("", "a"), NOT_SIGNED, "message signed with a cluster secret (--cluster-secret-file), and the receiver has none"),
+    (("a", "b"), OTHER_SECRET, OTHER_SECRET),
+], ids=["prefill-only", "decode-only", "different"])
+def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daemons, tmp_path, secrets, reason, logged):
+    """Either way round (or with two secrets), the decode's room fails within a moment,
+    not at the 30 s bootstrap timeout, saying which side lacks the secret, and the
+    prefill's log names the decode daemon it refused and why."""
+    flags = []
+    for side, letter in zip(("prefill", "decode"), secrets):
+        (tmp_path / side).write_text(letter * 20 + "\n")
+        flags.append(("--cluster-secret-file", str(tmp_path / side)) if letter else ())
+    prefill, decode = daemons("prefill", *flags[0]), daemons("decode", *flags[1])
+    p, d = engine(prefill), engine(decode)
+    try:
+        asked = time.monotonic()
+        d.expect(5, prefill.bootstrap, [1, 2], d.alloc_slot())
+        status = d.wait(5, timeout=10)
+        took = time.monotonic() - asked
+    finally:
+        p.close()
+        d.close()
+    assert status.state is RoomState.FAILED and status.code is ErrorCode.UNAUTHENTICATED and status.fenced, status
+    assert reason in status.reason and took < 5, (status.reason, took)
+    refused = wait_until(lambda: [line for line in open(prefill.log_path) if "refused decode daemon" in line and decode.ready["session"] in line],
+                         10, "the prefill to log the refusal")
+    assert "/decode'" in refused[0] and decode.ready["incarnation"] in refused[0] and logged in refused[0], refused
+
+
+# --- the README's engine example
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_block(language: str, containing: str) -> str:
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        blocks = re.findall(rf"```{language}\n(.*?)```", fh.read(), re.S)
+    found = [block for block in blocks if containing in block]
+    assert len(found) == 1, f"{len(found)} {language} blocks in the README contain {containing!r}"
+    return found[0]
+
+
+def test_the_readme_shows_the_engine_example_file_in_full():
+    with open(os.path.join(ROOT, "examples", "engine.py")) as fh:
+        assert readme_block("python", "from pdxfer.client import Client") == fh.read()
+
+
+def test_the_readme_engine_example_runs_as_written(runtime_dir):
+    """The README's lines as they stand, but for a free port and a directory of this
+    test's (8998 and /tmp/pdx-example may be another user's) and the activation of
+    .venv: this suite's interpreter goes first on PATH instead, with this checkout's
+    pdxfer on PYTHONPATH whatever that environment has installed."""
+    script = readme_block("sh", "python examples/engine.py")
+    assert script.startswith(". .venv/bin/activate\n") and "8998" in script and "/tmp/pdx-example" in script, script
+    script = script.removeprefix(". .venv/bin/activate\n").replace("8998", str(free_port())).replace("/tmp/pdx-example", runtime_dir)
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), "PYTHONPATH": ROOT}
+    shell = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+    try:
+        out, _ = shell.communicate(timeout=120)
+    finally:  # the daemons too, should the script not have stopped them
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    lines = out.splitlines()
+    assert "prefill room 7: success" in lines and "decode room 7: success" in lines, out
+    assert not any(line.startswith("Traceback") for line in lines), out
+    for role in ("prefill", "decode"):  # the script's last line stopped both daemons
+        assert any(line.endswith(f"pdxfer {role} daemon {role} stopped") for line in lines), out

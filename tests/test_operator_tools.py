@@ -1,7 +1,8 @@
 """The operator tools as an operator meets them on a host with several daemons:
 `pdxfer top` in a real 80x24 terminal (tmux), `rooms`/`peers`/`slots --all`,
-`doctor` counting pools a daemon still maps after their engine exited, and the
-standard process metrics on the daemon's /metrics endpoint.
+`doctor` counting pools a daemon still maps after their engine exited, the
+standard process metrics on the daemon's /metrics endpoint, and `--log-format json`
+giving JSON lines only, the transfer engine's own log included.
 
 One module-scoped scene: a prefill and a decode daemon in one runtime directory, an
 engine beside each. The decode engine expects rooms from an address nobody serves
@@ -20,11 +21,14 @@ import tempfile
 import time
 import urllib.request
 
+import io
+import signal
+
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdxfer import top
+from pdxfer import logs, top
 from pdxfer.client import Client
 from pdxfer.launch import start_daemon, stop_all
 
@@ -204,6 +208,54 @@ def test_metrics_include_the_standard_process_metrics(scene):
     assert samples["process_virtual_memory_bytes"] >= samples["process_resident_memory_bytes"]
     assert "python_info" in samples and "python_gc_collections_total" in samples
     assert "pdxfer_rooms" in samples  # pdxfer's own families are still there
+
+
+# --- logs
+
+
+def test_native_stderr_lines_become_json_entries():
+    assert logs.native_entry("W1125 19:15:19.439092  5267 transfer_engine_py.cpp:120] Using default malloc/free for protocol: tcp", 1.5) == (
+        "warning", {"ts": 1.5, "level": "warning", "logger": "mooncake", "msg": "Using default malloc/free for protocol: tcp",
+                    "source": "transfer_engine_py.cpp:120"})
+    assert logs.native_entry("F1125 01:02:03.000001 77 tcp_transport.cpp:9] Check failed: x", 0)[1]["level"] == "critical"
+    assert logs.native_entry(logs.GLOG_BANNER, 0)[0] == "debug"
+    assert logs.native_entry("Traceback (most recent call last):", 0)[1]["logger"] == "stderr"
+    out = io.StringIO()
+    logs.relay(io.BytesIO(b"I1125 19:15:19.1 1 a.cpp:1] quiet\nE1125 19:15:19.1 1 a.cpp:2] loud\n\xff no newline at the end"), out, "warning")
+    assert [json.loads(line)["msg"] for line in out.getvalue().splitlines()] == ["loud", "\ufffd no newline at the end"]
+
+
+def relay_of(pid: int) -> int:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        children = [int(c) for c in fh.read().split()]
+    assert len(children) == 1, children  # the log relay, and nothing else
+    return children[0]
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_json_logs_are_json_lines_only_the_transfer_engines_own_included(runtime_dir, tmp_path, stop):
+    """`pdxfer serve --log-format json` with every glog level let through: each stderr
+    line parses, the transfer engine's lines keep their level and source, and the
+    relay that turns them into JSON writes what it read and exits once the daemon has
+    gone, even killed."""
+    path = tmp_path / "stderr"
+    with open(path, "w") as stderr:
+        daemon = start_daemon("prefill", runtime_dir, "--log-format", "json", "--log-level", "debug", stderr=stderr, env={"GLOG_minloglevel": "0"})
+    relay = relay_of(daemon.pid)
+    if stop == "sigterm":
+        assert daemon.stop() == 0
+        assert not os.path.exists(f"/proc/{relay}")  # the daemon waited for it at exit, which a container's PID 1 must
+    else:
+        daemon.proc.kill()
+        daemon.wait()
+        wait_until(lambda: not os.path.exists(f"/proc/{relay}"), 10, "the relay to exit")
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    engine_lines = [e for e in entries if e["logger"] == "mooncake"]
+    assert {"debug", "info", "warning", "error"} <= {e["level"] for e in engine_lines}, engine_lines
+    assert all(e["source"].split(":")[0].endswith(".cpp") for e in engine_lines if e["level"] != "debug")
+    assert any(e["logger"] == "pdxfer.daemon" and "ready" in e["msg"] for e in entries)
+    if stop == "sigterm":  # the engines' lines as they shut down, and the daemon's last line after them
+        assert any("removeSegmentDesc" in e["msg"] for e in engine_lines) and entries[-1]["msg"].endswith("stopped")
 
 
 # --- the README's example of a room nobody serves

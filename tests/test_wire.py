@@ -123,6 +123,19 @@ def test_the_mac_covers_where_frames_are_cut_their_order_and_every_frame():
             check.open([envelope, *forged])
 
 
+def test_a_refusal_says_which_side_lacks_the_cluster_secret():
+    """A secret set on one side only is the usual misconfiguration: the reason names the
+    option and the side without it, so neither side waits out a timeout to learn it."""
+    secret, unsigned, other = Seal("s" * 16, b"k" * 16), Seal("u" * 16), Seal("o" * 16, b"j" * 16)
+    with pytest.raises(Unauthenticated, match=r"not signed: the receiver has a cluster secret \(--cluster-secret-file\), the sender has none"):
+        secret.open(unsigned.seal([b"x"]))
+    with pytest.raises(Unauthenticated, match=r"not signed with the receiver's cluster secret \(--cluster-secret-file\): the sender has another"):
+        secret.open(other.seal([b"x"]))
+    with pytest.raises(Unauthenticated, match=r"signed with a cluster secret \(--cluster-secret-file\), and the receiver has none"):
+        unsigned.open(secret.seal([b"x"]), refuse_signed=True)
+    assert unsigned.open(secret.seal([b"x"])) == ("s" * 16, [b"x"])  # a refusal signed by a prefill with the secret is read
+
+
 def test_frame_counts_outside_one_to_max_batch_payloads_are_bad_messages():
     seal = Seal("a" * 16)
     with pytest.raises(BadMessage, match="envelope and 1 to"):
