@@ -51,9 +51,11 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def setup_logging(level: str, fmt: str, name: str = "") -> None:
+def setup_logging(level: str, fmt: str, name: str = "", relay: bool = True) -> None:
+    """``relay``: with JSON, start the relay for fd 2 here (a process whose fd 2 is
+    already a relay's pipe, the transfer engine's own, passes False)."""
     stream = sys.stderr
-    if fmt == "json":
+    if fmt == "json" and relay:
         stream = relay_native_stderr(level)
     handler = logging.StreamHandler(stream)
     if fmt == "json":
@@ -100,6 +102,13 @@ def native_entry(line: str, ts: float) -> tuple[str, dict]:
     logging: a glog line keeps its level and source file; anything else (a Python
     traceback, a C library's complaint) is a warning from 'stderr'."""
     match = GLOG_LINE.fullmatch(line)
+    if line.startswith("{"):  # already one of ours (the transfer engine's process logs as JSON to this pipe)
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict) and isinstance(entry.get("level"), str):
+            return entry["level"], entry
     if match:
         level, logger, msg, extra = GLOG_LEVELS[match[1]], "mooncake", match[3], {"source": match[2]}
     elif line == GLOG_BANNER:

@@ -179,7 +179,7 @@ def test_broken_session_is_probed_and_the_engine_recreated(daemons):
 def test_an_error_inside_the_pump_fails_its_rooms_and_the_daemon_goes_on(daemons):
     """H1: a bug in a background thread fails the rooms it held, is counted, and
     does not take the daemon down."""
-    prefill = daemons("prefill", *FAST, "--inject-faults", "raise=0.01,seed=2")
+    prefill = daemons("prefill", *FAST, "--inject-faults", "raise=0.01,seed=2", "--transfer-engine-process", "inline")
     decode = daemons("decode", *FAST)
     report = chaos(prefill, decode, ChaosSpec(rooms=150, in_flight=4, slots=16, abort_rate=0, seed=6))
     print(report.line())
@@ -189,6 +189,22 @@ def test_an_error_inside_the_pump_fails_its_rooms_and_the_daemon_goes_on(daemons
     assert prefill.alive() and decode.alive()
     log = open(prefill.log_path).read()
     assert "transfer pump round failed" in log
+
+
+def test_an_error_polling_the_engine_in_its_own_process_ends_that_process_and_the_daemon_goes_on(daemons):
+    """H1 with --transfer-engine-process child (the default here): the binding's error
+    ends the engine's process, so that none of its writes can land; the daemon starts
+    another, writes the lost blocks again through it, and no byte lands wrong."""
+    prefill = daemons("prefill", *FAST, "--inject-faults", "raise=0.01,seed=2")
+    decode = daemons("decode", *FAST)
+    report = chaos(prefill, decode, ChaosSpec(rooms=150, in_flight=4, slots=16, abort_rate=0, seed=6))
+    print(report.line())
+    assert report.corruptions == 0
+    assert report.verified > 0
+    assert prefill.alive() and decode.alive()
+    log = open(prefill.log_path).read()
+    assert "polling the transfer engine failed; ending this process" in log
+    assert re.search(r"transfer engine process \d+ started \(restart \d+\)", log)
 
 
 def test_backpressure_is_an_explicit_busy_with_a_retry_hint(daemons):

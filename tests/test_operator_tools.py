@@ -220,6 +220,10 @@ def test_native_stderr_lines_become_json_entries():
     assert logs.native_entry("F1125 01:02:03.000001 77 tcp_transport.cpp:9] Check failed: x", 0)[1]["level"] == "critical"
     assert logs.native_entry(logs.GLOG_BANNER, 0)[0] == "debug"
     assert logs.native_entry("Traceback (most recent call last):", 0)[1]["logger"] == "stderr"
+    # The transfer engine's process logs JSON records of its own to the pipe: passed on as they are.
+    ours = {"ts": 2.0, "level": "error", "logger": "pdxfer.transport.host", "msg": "x"}
+    assert logs.native_entry(json.dumps(ours), 0) == ("error", ours)
+    assert logs.native_entry("{not json", 0)[1]["logger"] == "stderr"
     out = io.StringIO()
     logs.relay(io.BytesIO(b"I1125 19:15:19.1 1 a.cpp:1] quiet\nE1125 19:15:19.1 1 a.cpp:2] loud\n\xff no newline at the end"), out, "warning")
     assert [json.loads(line)["msg"] for line in out.getvalue().splitlines()] == ["loud", "\ufffd no newline at the end"]
@@ -228,8 +232,9 @@ def test_native_stderr_lines_become_json_entries():
 def relay_of(pid: int) -> int:
     with open(f"/proc/{pid}/task/{pid}/children") as fh:
         children = [int(c) for c in fh.read().split()]
-    assert len(children) == 1, children  # the log relay, and nothing else
-    return children[0]
+    relays = [c for c in children if b"logs.py" in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert len(relays) == 1, children  # one log relay (beside the transfer engine's process)
+    return relays[0]
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])

@@ -247,12 +247,13 @@ class Host:
 
     def _answer(self, msg: Request, fd: int) -> Reply:
         if isinstance(msg, Start):
-            from ..cli import setup_logging
             from ..config import Config
+            from ..logs import setup_logging
             from . import build
 
             cfg = msgspec.json.decode(msg.config, type=Config)
-            setup_logging(cfg.log_level, cfg.log_format, f"{cfg.instance} engine")  # lines like the daemon's own
+            # Lines like the daemon's own, on the stderr it left us (with JSON, its relay's pipe).
+            setup_logging(cfg.log_level, cfg.log_format, f"{cfg.instance} engine", relay=False)
             self.mappings.map(msg.scratch, fd)
             self.transport = build.make_transport(cfg, scratch=msg.scratch.address)
             return Reply(0, sessions=list(self.transport.start()))
