@@ -38,7 +38,12 @@ BUILDS = ["base", *(f"overlays/{name}" for name in OVERLAYS)]
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 
 DAEMON = "pdxfer"  # the daemon's container in every worker pod
-PDXFER_LABEL = ("app.kubernetes.io/part-of", "pdxfer")  # what the NetworkPolicy admits
+PDXFER_LABEL = ("app.kubernetes.io/part-of", "pdxfer")  # what the NetworkPolicy admits, with a role
+ROLE_LABEL = "app.kubernetes.io/component"  # prefill or decode, set by the overlays
+# The one role whose pods may open each of a worker's pdxfer ports: a prefill's transfer
+# engine dials a decode's (RPC handshake and TCP data), a decode daemon dials a
+# prefill's bootstrap port. No pdxfer pod dials a prefill's transfer engine.
+DIALS = {("decode", "transfer engine"): "prefill", ("prefill", "bootstrap"): "decode"}
 ENV = config.ENV_PREFIX
 # Options the daemon gains in the same change as deploy/. Until pdxfer.config knows
 # one, a manifest may set it (spelt as here) unchecked; once it does, config.load
@@ -513,14 +518,21 @@ def admitted(rule_ports, pod_containers: list[dict]) -> set[int]:
     return ports
 
 
+def shown(ports) -> str:
+    ports = sorted(ports)
+    return f"{ports[:3]}{'...' if len(ports) > 3 else ''}"
+
+
 @pytest.mark.parametrize("overlay, name", WORKERS)
-def test_network_policy_admits_pdxfer_ports_only_from_pdxfer_pods(overlay, worker):
+def test_network_policy_admits_pdxfer_ports_only_from_the_role_that_dials_them(overlay, worker):
     docs = build(f"overlays/{overlay}")
     cfg, env = worker.config(), worker.env()
+    role = cfg.role.value
+    assert worker.labels.get(ROLE_LABEL) == role, f"{worker}: its pods are not labelled {ROLE_LABEL}={role}"
     low, high = int(env.get("MC_MIN_RPC_PORT") or TE_PORTS[0]), int(env.get("MC_MAX_RPC_PORT") or TE_PORTS[1])
-    needed = {"transfer engine": set(range(low, high + 1))}
-    if cfg.role.value == "prefill":
-        needed["bootstrap"] = {cfg.bootstrap_port}
+    guarded = {"transfer engine": set(range(low, high + 1))}
+    if role == "prefill":
+        guarded["bootstrap"] = {cfg.bootstrap_port}
     policies = [
         p
         for p in of_kind(docs, "NetworkPolicy", worker.namespace)
@@ -528,28 +540,40 @@ def test_network_policy_admits_pdxfer_ports_only_from_pdxfer_pods(overlay, worke
         and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
     ]
     assert policies, f"no NetworkPolicy selects the pods of {worker}"
-    pdxfer_pods = [w.labels for w in workers(docs) if w.namespace == worker.namespace]
-    unlabelled = {k: v for k, v in worker.labels.items() if k != PDXFER_LABEL[0]}
-    outsiders = [{}, {"app.kubernetes.io/name": "router"}, unlabelled]
-    open_ports: set[int] = set()
+    # Would-be clients: pods of either role labelled as the overlays label this one, and outsiders.
+    roleless = {k: v for k, v in worker.labels.items() if k != ROLE_LABEL}
+    outside = {k: v for k, v in roleless.items() if k != PDXFER_LABEL[0]}
+    clients = {
+        "prefill pods": {**roleless, ROLE_LABEL: "prefill"},
+        "decode pods": {**roleless, ROLE_LABEL: "decode"},
+        "pdxfer pods of no role": roleless,
+        "prefill pods outside pdxfer": {**outside, ROLE_LABEL: "prefill"},
+        "decode pods outside pdxfer": {**outside, ROLE_LABEL: "decode"},
+        "a router": {"app.kubernetes.io/name": "router"},
+        "an unlabelled pod": {},
+    }
+    opened: dict[str, set[int]] = {who: set() for who in clients}
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
             ports = admitted(rule.get("ports"), worker.containers)
-            touched = [name for name, wanted in needed.items() if ports & wanted]
+            touched = [name for name, wanted in guarded.items() if ports & wanted]
             if not touched:
                 continue
-            peers = rule.get("from") or [{}]
-            for peer in peers:
+            for peer in rule.get("from") or [{}]:
                 what = f"{policy['metadata']['name']} admits the {', '.join(touched)} ports from {peer or 'anyone'}"
-                assert set(peer) == {"podSelector"}, what
-                selector = peer["podSelector"]
-                assert all(selects(selector, labels) for labels in pdxfer_pods), f"{what}: not every pdxfer pod"
-                assert not any(selects(selector, labels) for labels in outsiders), f"{what}: not only pdxfer pods"
-            open_ports |= ports
-    for name, wanted in needed.items():
-        missing = sorted(wanted - open_ports)
-        shown = f"{missing[:3]}{'...' if len(missing) > 3 else ''}"
-        assert not missing, f"the {name} ports {shown} of {worker} are not admitted"
+                assert set(peer) == {"podSelector"}, f"{what}: not only pods of its namespace"
+                for who, labels in clients.items():
+                    if selects(peer["podSelector"], labels):
+                        opened[who] |= ports
+    for name, wanted in guarded.items():
+        dialer = DIALS.get((role, name))
+        for who, ports in opened.items():
+            if who == f"{dialer} pods":
+                missing = wanted - ports
+                assert not missing, f"the {name} ports {shown(missing)} of {worker} are not admitted from {who}"
+            else:
+                extra = wanted & ports
+                assert not extra, f"the {name} ports {shown(extra)} of {worker} are admitted from {who}"
 
 
 @pytest.mark.parametrize("overlay, name", WORKERS)
