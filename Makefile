@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml requirements/pins.txt | system-deps
 
 # Regenerate proto/schema.json from pdxfer/protocol.py (a test fails when they drift).
 schema: deps
-	$(PY) -m pdxfer.protocol > proto/schema.json
+	$(PY) -m pdxfer.core.protocol > proto/schema.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

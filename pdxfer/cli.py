@@ -9,7 +9,7 @@ import sys
 
 import msgspec
 
-from . import config as config_mod
+from .core import config as config_mod
 
 log = logging.getLogger("pdxfer")
 
@@ -44,8 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .logs import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_format, cfg.instance)
-    from .daemon import Daemon
-    from .errors import PdxferError
+    from .daemon.server import Daemon
+    from .core.errors import PdxferError
 
     try:
         run_uvloop(Daemon(cfg).run())
@@ -56,19 +56,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from .soak import run_soak
+    from .tools.soak import run_soak
 
     return run_soak(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .tools.bench.main import run_bench
 
     return run_bench(args)
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.set_defaults(func=cmd_demo)
 
-    from .bench_args import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+    from .tools.bench.args import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
 
     bench = sub.add_parser(
         "bench",
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    from .soak import __doc__ as soak_doc, add_arguments as add_soak_arguments
+    from .tools.soak import __doc__ as soak_doc, add_arguments as add_soak_arguments
 
     soak = sub.add_parser(
         "soak",
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Operator commands: rooms, room, peers, peer, slots, top (pdxfer/inspection.py, top.py) and doctor
     # (pdxfer/doctor.py); their flags live in pdxfer/inspection_args.py, the commands load when run.
-    from .inspection_args import add_commands as add_operator_commands
+    from .ops.commands import add_commands as add_operator_commands
 
     add_operator_commands(sub)
     return parser

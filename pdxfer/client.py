@@ -26,10 +26,10 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 
-from . import errors
-from .memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
-from .plan import layout_regions, pages_to_bytes, pool_bytes, region_views
-from .protocol import (
+from .core import errors
+from .host.memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
+from .core.plan import layout_regions, pages_to_bytes, pool_bytes, region_views
+from .core.protocol import (
     PROTOCOL_VERSION,
     Abort,
     AllocSlot,
@@ -52,8 +52,8 @@ from .protocol import (
     SlotGrant,
     Stats,
 )
-from .stamp import HEADER_BYTES, unpack_header, verify
-from .wire import CLOSE_LINGER, Dealer
+from .core.stamp import HEADER_BYTES, unpack_header, verify
+from .wire.sockets import CLOSE_LINGER, Dealer
 
 MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)
 WAIT_POLL_SECONDS = 1.0  # wait() asks the daemon this often when no status was pushed

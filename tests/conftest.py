@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdxfer import memory
+from pdxfer.host import memory
 from pdxfer.client import Client
-from pdxfer.launch import start_daemon, stop_all
-from pdxfer.protocol import KVLayout, Layout
+from pdxfer.tools.launch import start_daemon, stop_all
+from pdxfer.core.protocol import KVLayout, Layout
 
 
 def _transfer_engine_available() -> str:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from pdxfer.launch import DaemonProcess
+from pdxfer.tools.launch import DaemonProcess
 
 _ids = itertools.count()
 
@@ -124,7 +124,7 @@ def _env() -> dict[str, str]:
 
 
 def start_daemon_in(ns: str, role: str, runtime_dir: str, *flags: str, name: str, stderr, timeout: float = 30.0) -> DaemonProcess:
-    """Like pdxfer.launch.start_daemon, inside network namespace ``ns``."""
+    """Like pdxfer.tools.launch.start_daemon, inside network namespace ``ns``."""
     argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "pdxfer", "serve", "--role", role, "--name", name,
             "--runtime-dir", runtime_dir, *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=_env(), text=True)

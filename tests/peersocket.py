@@ -1,6 +1,6 @@
 """Blocking ends of the bootstrap channel for tests that play one daemon by hand:
 ``PeerSocket`` connects as a decode daemon would, ``PeerListener`` listens as a
-prefill daemon without a cluster secret would. Both speak pdxfer.peer_channel's
+prefill daemon without a cluster secret would. Both speak pdxfer.wire.bootstrap's
 framing and handshake with plain sockets; ``decode_hello`` is the first thing a
 hand-played decode daemon says."""
 
@@ -12,10 +12,10 @@ import select
 import socket
 import time
 
-from pdxfer.peer_channel import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
-from pdxfer.plan import compat_of
-from pdxfer.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
-from pdxfer.wire import Seal
+from pdxfer.wire.bootstrap import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
+from pdxfer.core.plan import compat_of
+from pdxfer.core.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
+from pdxfer.wire.sockets import Seal
 
 NO_LIMIT = 1 << 31
 

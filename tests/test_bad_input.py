@@ -36,15 +36,15 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pdxfer import protocol as p
+from pdxfer.core import protocol as p
 from pdxfer.client import Client
-from pdxfer.decode import bootstrap_endpoint
-from pdxfer.launch import start_daemon, stop_all
-from pdxfer.peer_channel import encode
-from pdxfer.plan import compat_of, pages_to_bytes
-from pdxfer.protocol import RoomState
-from pdxfer.service import loose_req
-from pdxfer.wire import MAX_BATCH, Seal
+from pdxfer.roles.decode import bootstrap_endpoint
+from pdxfer.tools.launch import start_daemon, stop_all
+from pdxfer.wire.bootstrap import encode
+from pdxfer.core.plan import compat_of, pages_to_bytes
+from pdxfer.core.protocol import RoomState
+from pdxfer.roles.base import loose_req
+from pdxfer.wire.sockets import MAX_BATCH, Seal
 
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerSocket, decode_hello

@@ -8,8 +8,8 @@ import os
 import msgspec
 import pytest
 
-from pdxfer import config
-from pdxfer.protocol import Role
+from pdxfer.core import config
+from pdxfer.core.protocol import Role
 
 
 def write_toml(tmp_path, text: str) -> str:

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from pdxfer import cpu_yield
+from pdxfer.host import cpu_yield
 from pdxfer.client import Client
-from pdxfer.cpu_yield import CALM_FIRST, CALM_MAX, Yielding
-from pdxfer.pump import TransferPump
+from pdxfer.host.cpu_yield import CALM_FIRST, CALM_MAX, Yielding
+from pdxfer.transport.pump import TransferPump
 
 from .conftest import needs_mooncake
 from .roomkit import free_port, wait_until
@@ -284,7 +284,7 @@ def test_a_daemon_starved_by_another_process_on_its_core_takes_the_cores_back(da
 
 
 def test_doctor_says_whether_daemons_here_yield_and_why_not():
-    from pdxfer import hostchecks
+    from pdxfer.ops import hostchecks
 
     s = hostchecks.Settings(role="decode", protocol="tcp", device="cpu", host="127.0.0.1", bootstrap_port=0, http_port=0,
                             runtime_dir="/tmp", name="", rdma_devices="", pool_bytes=0)

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 import zmq
 
-from pdxfer import client as client_module, config, errors, memory
+from pdxfer import client as client_module
+from pdxfer.core import config, errors
+from pdxfer.host import memory
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
-from pdxfer.daemon import Daemon
-from pdxfer.prefill import PrefillService
-from pdxfer.launch import LaunchError, start_daemon
-from pdxfer.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
-from pdxfer.wire import MAX_BATCH
+from pdxfer.daemon.server import Daemon
+from pdxfer.roles.prefill import PrefillService
+from pdxfer.tools.launch import LaunchError, start_daemon
+from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
+from pdxfer.wire.sockets import MAX_BATCH
 
 from .conftest import needs_mooncake, orphan_pool, small_layout
 

@@ -4,7 +4,7 @@ the invariants the daemon relies on; the Dockerfile keeps its own. No cluster an
 Docker are needed, and the whole file runs in a few seconds.
 
 The daemon's settings are read from the built manifests and loaded with
-pdxfer.config itself, so a manifest cannot set an option the daemon would refuse."""
+pdxfer.core.config itself, so a manifest cannot set an option the daemon would refuse."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdxfer import config, sim
-from pdxfer.plan import pool_bytes
-from pdxfer.protocol import KVLayout, Layout
-from pdxfer.stamp import HEADER_BYTES
+from pdxfer.core import config
+from pdxfer.tools import sim
+from pdxfer.core.plan import pool_bytes
+from pdxfer.core.protocol import KVLayout, Layout
+from pdxfer.core.stamp import HEADER_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -45,7 +46,7 @@ ROLE_LABEL = "app.kubernetes.io/component"  # prefill or decode, set by the over
 # prefill's bootstrap port. No pdxfer pod dials a prefill's transfer engine.
 DIALS = {("decode", "transfer engine"): "prefill", ("prefill", "bootstrap"): "decode"}
 ENV = config.ENV_PREFIX
-# Options the daemon gains in the same change as deploy/. Until pdxfer.config knows
+# Options the daemon gains in the same change as deploy/. Until pdxfer.core.config knows
 # one, a manifest may set it (spelt as here) unchecked; once it does, config.load
 # checks its value like any other.
 PENDING_OPTIONS = {"http_port", "drain_timeout", "cluster_secret_file", "registry"}
@@ -175,7 +176,7 @@ def daemon_config(worker: Worker) -> config.Config:
 
 
 def option(worker: Worker, name: str, default):
-    """An option's value: from the loaded config once pdxfer.config knows it, else
+    """An option's value: from the loaded config once pdxfer.core.config knows it, else
     from the environment, else the default."""
     cfg = worker.config()
     if hasattr(cfg, name):
@@ -212,7 +213,7 @@ def effective(pod: dict, container: dict, field: str):
 
 
 def sim_args(container: dict):
-    """The parsed arguments of `python -m pdxfer.sim` in a container's command (shell
+    """The parsed arguments of `python -m pdxfer.tools.sim` in a container's command (shell
     scripts included), or None when the container runs something else."""
     words = [*container.get("command", []), *container.get("args", [])]
     if len(words) >= 3 and posixpath.basename(words[0]) in ("sh", "bash") and words[1] == "-c":
@@ -220,7 +221,7 @@ def sim_args(container: dict):
         lexer.whitespace_split = True
         words = list(lexer)
     for i in range(len(words) - 2):
-        if words[i].startswith("python") and words[i + 1 : i + 3] == ["-m", "pdxfer.sim"]:
+        if words[i].startswith("python") and words[i + 1 : i + 3] == ["-m", "pdxfer.tools.sim"]:
             tail = []
             for word in words[i + 3 :]:
                 if word and set(word) <= set(";&|()"):
@@ -231,7 +232,7 @@ def sim_args(container: dict):
             try:
                 return sim.build_parser().parse_args(tail)
             except SystemExit:
-                pytest.fail(f"container {container['name']}: pdxfer.sim refuses its arguments {tail}")
+                pytest.fail(f"container {container['name']}: pdxfer.tools.sim refuses its arguments {tail}")
     return None
 
 
@@ -606,7 +607,7 @@ def test_demo_engines_agree_and_fit():
     for worker in workers(docs):
         (engine,) = worker.engines
         args = sim_args(engine)
-        assert args is not None, f"{worker}: the demo engine is not python -m pdxfer.sim"
+        assert args is not None, f"{worker}: the demo engine is not python -m pdxfer.tools.sim"
         assert args.role == worker.config().role.value
         sims[args.role] = (worker, args)
         # The pools live in /dev/shm: they must fit its size limit.

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer import errors
+from pdxfer.core import errors
 from pdxfer.client import Client
-from pdxfer.protocol import RoomState
+from pdxfer.core.protocol import RoomState
 
 from .conftest import needs_mooncake
 from .roomkit import engine

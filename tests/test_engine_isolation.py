@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pdxfer.chaos import ChaosSpec, run_chaos
+from pdxfer.tools.chaos import ChaosSpec, run_chaos
 
 from .conftest import needs_mooncake
 

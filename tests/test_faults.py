@@ -15,10 +15,10 @@ import re
 import numpy as np
 import pytest
 
-from pdxfer import errors
-from pdxfer.chaos import ChaosSpec, run_chaos, settled_stats
+from pdxfer.core import errors
+from pdxfer.tools.chaos import ChaosSpec, run_chaos, settled_stats
 from pdxfer.client import Client
-from pdxfer.protocol import KVLayout, Layout
+from pdxfer.core.protocol import KVLayout, Layout
 
 from .conftest import needs_mooncake, settle, small_layout
 

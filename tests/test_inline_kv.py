@@ -13,13 +13,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from pdxfer import paths
-from pdxfer.inspection import daemon_counters
-from pdxfer.memory import SharedMemory
-from pdxfer.plan import pages_to_bytes, pool_bytes, region_views
-from pdxfer.pools import KVPool
-from pdxfer.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
-from pdxfer.stamp import stamp_for
+from pdxfer.core import paths
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.host.memory import SharedMemory
+from pdxfer.core.plan import pages_to_bytes, pool_bytes, region_views
+from pdxfer.roles.pools import KVPool
+from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
+from pdxfer.core.stamp import stamp_for
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import SLACK, engine, free_port, start_room
@@ -232,8 +232,8 @@ def test_a_small_room_whose_input_came_first_gets_its_record_and_no_other_messag
 
 
 def test_inline_kv_cannot_exceed_the_protocol_bound():
-    from pdxfer import config
-    from pdxfer.protocol import MAX_INLINE_KV_BYTES
+    from pdxfer.core import config
+    from pdxfer.core.protocol import MAX_INLINE_KV_BYTES
 
     with pytest.raises(ValueError, match="inline_kv_bytes"):
         config.load({"role": "decode", "inline_kv_bytes": MAX_INLINE_KV_BYTES + 1})

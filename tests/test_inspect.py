@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pdxfer import inspection as inspect_mod
-from pdxfer import memory, tables
+from pdxfer.ops import inspection as inspect_mod
+from pdxfer.host import memory
+from pdxfer.ops import tables
 from pdxfer.client import Client
-from pdxfer.inspection import daemon_counters
-from pdxfer.launch import DaemonProcess, start_daemon
-from pdxfer.protocol import RoomState
-from pdxfer.stamp import HEADER_BYTES
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.tools.launch import DaemonProcess, start_daemon
+from pdxfer.core.protocol import RoomState
+from pdxfer.core.stamp import HEADER_BYTES
 
 from .conftest import ENGINE_PATH, needs_mooncake, orphan_pool, small_layout
 from .roomkit import engine, free_port, wait_until
@@ -428,7 +429,7 @@ def test_top_refreshes_and_shows_each_section(scene):
 
 
 def test_top_rates_come_from_counter_deltas():
-    from pdxfer.top import rates
+    from pdxfer.ops.top import rates
 
     assert rates(None, {"bytes_moved": 100.0}, 4.0) == {"bytes_moved": 25.0}
     assert rates({"bytes_moved": 100.0, "rooms_failed": 1}, {"bytes_moved": 400.0, "rooms_failed": 1}, 2.0) == {"bytes_moved": 150.0, "rooms_failed": 0.0}
@@ -588,7 +589,7 @@ def test_doctor_with_running_daemons(scene):
 def test_doctor_fails_pools_that_fit_in_dev_shm_but_not_in_the_memory_left(monkeypatch):
     """tmpfs pages are RAM: a /dev/shm larger than what the kernel still has available
     would let pools in that the OOM killer ends (the host's state is faked here)."""
-    from pdxfer import hostchecks as checks
+    from pdxfer.ops import hostchecks as checks
 
     monkeypatch.setattr(checks, "available_memory", lambda: 1 << 20)
     short = checks.check_shm(64 << 20)
@@ -600,7 +601,7 @@ def test_doctor_fails_pools_that_fit_in_dev_shm_but_not_in_the_memory_left(monke
 
 
 def test_doctor_counts_the_pools_engines_that_exited_left_in_dev_shm():
-    from pdxfer import hostchecks as checks
+    from pdxfer.ops import hostchecks as checks
 
     orphan = orphan_pool(memory.AUX_BUFFER_PREFIX, 1 << 20)
     try:
@@ -612,7 +613,7 @@ def test_doctor_counts_the_pools_engines_that_exited_left_in_dev_shm():
 
 
 def test_doctor_checks_fail_with_a_fix(tmp_path):
-    from pdxfer import hostchecks as checks
+    from pdxfer.ops import hostchecks as checks
 
     s = checks.Settings(role="decode", protocol="rdma", device="cuda:3", host="127.0.0.1", bootstrap_port=0, http_port=0,
                         runtime_dir=str(tmp_path / "rt"), name="", rdma_devices="", pool_bytes=1 << 60)

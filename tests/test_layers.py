@@ -27,8 +27,8 @@ def loaded_after_importing(modules: list[str]) -> set[str]:
 
 
 def test_core_imports_nothing_impure():
-    loaded = loaded_after_importing([f"pdxfer.{m}" for m in CORE])
-    assert {f"pdxfer.{m}" for m in CORE} <= loaded  # the check really imported them
+    loaded = loaded_after_importing([f"pdxfer.core.{m}" for m in CORE])
+    assert {f"pdxfer.core.{m}" for m in CORE} <= loaded  # the check really imported them
     hits = sorted(m for m in loaded if m.split(".")[0] in FORBIDDEN)
     assert hits == [], f"the pure core imported {hits}"
 
@@ -36,4 +36,4 @@ def test_core_imports_nothing_impure():
 def test_the_check_can_fail():
     # pump is deliberately not pure (it owns a thread); seeing threading there proves
     # the subprocess check detects an impure import.
-    assert "threading" in loaded_after_importing(["pdxfer.pump"])
+    assert "threading" in loaded_after_importing(["pdxfer.transport.pump"])

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer.client import Client
-from pdxfer.errors import UnknownRoom
-from pdxfer.metrics import BUCKETS, Histogram
-from pdxfer.protocol import RoomState
+from pdxfer.core.errors import UnknownRoom
+from pdxfer.daemon.metrics import BUCKETS, Histogram
+from pdxfer.core.protocol import RoomState
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import engine, free_port, wait_until

@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 
-from pdxfer.paths import TCP_LANES_ENV
+from pdxfer.core.paths import TCP_LANES_ENV
 
 from .conftest import needs_mooncake, settle
 

@@ -23,10 +23,10 @@ import time
 
 import pytest
 
-from pdxfer import errors
-from pdxfer.inspection import daemon_counters
-from pdxfer.launch import stop_all
-from pdxfer.protocol import RoomState
+from pdxfer.core import errors
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.tools.launch import stop_all
+from pdxfer.core.protocol import RoomState
 
 from . import netns
 from .conftest import ENGINE_PATH, needs_mooncake

@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdxfer import logs, top
+from pdxfer import logs
+from pdxfer.ops import top
 from pdxfer.client import Client
-from pdxfer.launch import start_daemon, stop_all
+from pdxfer.tools.launch import start_daemon, stop_all
 
 from .conftest import ENGINE_PATH, needs_mooncake, small_layout
 from .roomkit import engine, free_port, wait_until

@@ -7,9 +7,9 @@ import typing
 
 import pytest
 
-from pdxfer import errors
-from pdxfer.config import AuxPathChoice, Protocol
-from pdxfer.paths import (
+from pdxfer.core import errors
+from pdxfer.core.config import AuxPathChoice, Protocol
+from pdxfer.core.paths import (
     ENGINE_PROTOCOL, MAX_TCP_LANES, POOL_KINDS, TCP_LANES_ENV, TCP_LEGACY_PROTO_ENV, AuxPath, check_engine_release, check_pool,
     choose_aux_path, engine_count, engine_env, release_numbers, startup_steps, stripes,
 )

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from pdxfer import protocol as p
-from pdxfer.inspection import AdminClient, CommandError
-from pdxfer.peer_channel import PREAMBLE, encode, split_endpoint
-from pdxfer.protocol import RoomState
+from pdxfer.core import protocol as p
+from pdxfer.ops.inspection import AdminClient, CommandError
+from pdxfer.wire.bootstrap import PREAMBLE, encode, split_endpoint
+from pdxfer.core.protocol import RoomState
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket

@@ -1,4 +1,4 @@
-"""The bootstrap channel between daemons (pdxfer.peer_channel): framing cut at any
+"""The bootstrap channel between daemons (pdxfer.wire.bootstrap): framing cut at any
 byte, bounds checked before bytes are waited for, batching and identity, the
 handshake that proves an identity, reconnects, and bounded queues. Real TCP on
 loopback; no daemons."""
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdxfer.errors import BadMessage
-from pdxfer import peer_channel
-from pdxfer.peer_channel import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
-from pdxfer.protocol import ErrorCode
-from pdxfer.wire import SEND_AT, Seal
+from pdxfer.core.errors import BadMessage
+from pdxfer.wire import bootstrap
+from pdxfer.wire.bootstrap import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
+from pdxfer.core.protocol import ErrorCode
+from pdxfer.wire.sockets import SEND_AT, Seal
 
 from .roomkit import arrived, free_port
 
@@ -205,7 +205,7 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
 
 
 async def test_a_connection_that_never_answers_its_challenge_is_closed(channel, monkeypatch):
-    monkeypatch.setattr(peer_channel, "HANDSHAKE_SECONDS", 0.2)
+    monkeypatch.setattr(bootstrap, "HANDSHAKE_SECONDS", 0.2)
     server, link, at_server, _, _ = await channel()
     reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
     writer.write(PREAMBLE)  # the preamble, then nothing
@@ -226,7 +226,7 @@ async def test_refused_connections_are_logged_once_per_interval_with_a_count(cha
         writer.close()
     refusals = [r for r in caplog.records if "closing a connection" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]
-    monkeypatch.setattr(peer_channel, "REFUSAL_LOG_SECONDS", 0.0)  # the interval passed: the next one reports the rest
+    monkeypatch.setattr(bootstrap, "REFUSAL_LOG_SECONDS", 0.0)  # the interval passed: the next one reports the rest
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"GET / HTTP/1.1\r\n")
     assert await asyncio.wait_for(reader.read(), 5) == b""
@@ -330,7 +330,7 @@ async def test_without_a_secret_on_the_server_an_identity_is_only_claimed(channe
 
 
 async def test_a_link_to_a_server_that_sends_no_challenge_gives_up_and_tries_again(monkeypatch):
-    monkeypatch.setattr(peer_channel, "HANDSHAKE_SECONDS", 0.2)
+    monkeypatch.setattr(bootstrap, "HANDSHAKE_SECONDS", 0.2)
     accepted = []
 
     async def silent(reader, writer):  # a bootstrap port of an older framing would close; this one just says nothing

@@ -25,10 +25,10 @@ import time
 
 import pytest
 
-from pdxfer import errors
+from pdxfer.core import errors
 from pdxfer.client import AsyncClient, Client
-from pdxfer.inspection import daemon_counters
-from pdxfer.protocol import (
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     Codec,
     ErrorCode,
@@ -39,7 +39,7 @@ from pdxfer.protocol import (
     RoomRequest,
     RoomState,
 )
-from pdxfer.wire import Seal
+from pdxfer.wire.sockets import Seal
 
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerListener

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer import errors
-from pdxfer.plan import (
+from pdxfer.core import errors
+from pdxfer.core.plan import (
     Region,
     check_capacity,
     check_memory_version,
@@ -26,7 +26,7 @@ from pdxfer.plan import (
     pool_bytes,
     region_bases,
 )
-from pdxfer.protocol import PROTOCOL_VERSION, ErrorCode, KVLayout, Layout
+from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, KVLayout, Layout
 
 
 def kv(layout: Layout, num_layers: int, num_pages: int, page_size: int, token_bytes: int) -> KVLayout:

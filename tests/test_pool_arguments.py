@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from pdxfer import errors, memory
+from pdxfer.core import errors
+from pdxfer.host import memory
 from pdxfer.client import AuxBuffer, KVPool
 
 from .conftest import small_layout

@@ -11,8 +11,7 @@ import typing
 import msgspec
 import pytest
 
-from pdxfer import errors
-from pdxfer import protocol as p
+from pdxfer.core import errors, protocol as p
 from pdxfer.client import raise_for
 
 SCHEMA_PATH = pathlib.Path(__file__).resolve().parent.parent / "proto" / "schema.json"

@@ -18,8 +18,8 @@ from collections import defaultdict
 
 import pytest
 
-from pdxfer.plan import Blocks
-from pdxfer.pump import RETRY_BUDGET, Job, TransferPump
+from pdxfer.core.plan import Blocks
+from pdxfer.transport.pump import RETRY_BUDGET, Job, TransferPump
 from pdxfer.transport import Peer, Status, label
 
 WAIT = 5.0  # generous upper bound for the pump thread to act; never a speed assertion

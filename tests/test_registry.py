@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pdxfer.client import Client
-from pdxfer.protocol import RoomState
-from pdxfer.registry import EtcdClient
+from pdxfer.core.protocol import RoomState
+from pdxfer.daemon.registry import EtcdClient
 
 from .conftest import needs_mooncake
 from .roomkit import engine, free_port, wait_until

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer import errors
-from pdxfer.protocol import ErrorCode, Role, RoomState
-from pdxfer.rooms import TRANSITIONS, Event, RoomTable, Timeouts, next_state
+from pdxfer.core import errors
+from pdxfer.core.protocol import ErrorCode, Role, RoomState
+from pdxfer.core.rooms import TRANSITIONS, Event, RoomTable, Timeouts, next_state
 
 B = RoomState.BOOTSTRAPPING
 W = RoomState.WAITING_FOR_INPUT

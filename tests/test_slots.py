@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdxfer import errors
-from pdxfer.protocol import ErrorCode
-from pdxfer.slots import SlotAllocator, SlotState
+from pdxfer.core import errors
+from pdxfer.core.protocol import ErrorCode
+from pdxfer.core.slots import SlotAllocator, SlotState
 
 FREE = SlotState.FREE
 GRANTED = SlotState.GRANTED

@@ -8,9 +8,9 @@ import zlib
 
 import pytest
 
-from pdxfer import errors
-from pdxfer.protocol import ErrorCode
-from pdxfer.stamp import HEADER_BYTES, MAGIC, Stamp, pack_header, stamp_for, unpack_header, verify
+from pdxfer.core import errors
+from pdxfer.core.protocol import ErrorCode
+from pdxfer.core.stamp import HEADER_BYTES, MAGIC, Stamp, pack_header, stamp_for, unpack_header, verify
 
 PAYLOAD = b"aux metadata: first token id, logprobs, ..." * 3
 ROOM = 0x1234_5678_9ABC_DEF0  # 64-bit room ids survive the header

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import zmq
 
-from pdxfer.errors import BadMessage
-from pdxfer.wire import MAX_BATCH, SEND_AT, Dealer, Router, Seal, Unauthenticated
+from pdxfer.core.errors import BadMessage
+from pdxfer.wire.sockets import MAX_BATCH, SEND_AT, Dealer, Router, Seal, Unauthenticated
 
 from .roomkit import arrived
 

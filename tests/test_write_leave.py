@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdxfer.decode import OFFSET_SAMPLES, PrefillLink
-from pdxfer.inspection import daemon_counters
-from pdxfer.plan import pages_to_bytes
-from pdxfer.protocol import (
+from pdxfer.roles.decode import OFFSET_SAMPLES, PrefillLink
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.core.plan import pages_to_bytes
+from pdxfer.core.protocol import (
     Codec,
     ErrorCode,
     Heartbeat,
@@ -33,7 +33,7 @@ from pdxfer.protocol import (
     RoomState,
     TransferStarted,
 )
-from pdxfer.wire import Seal
+from pdxfer.wire.sockets import Seal
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket, decode_hello

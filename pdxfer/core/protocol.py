@@ -10,7 +10,7 @@ Every message is one MessagePack map whose ``kind`` field names its struct. Page
 index lists travel as ``bytes`` holding little-endian int32 values, so a request of
 a million pages is one memcpy, not a million msgpack integers. ``proto/`` holds the
 human-readable spec and the JSON Schema generated from these structs
-(``python -m pdxfer.protocol``); a test fails if they drift.
+(``python -m pdxfer.core.protocol``); a test fails if they drift.
 
 Version history (bump PROTOCOL_VERSION on any incompatible change; new fields get
 defaults so older peers can still decode them):

@@ -10,8 +10,8 @@ import time
 
 import msgspec
 
-from . import errors
-from .protocol import (
+from ..core import errors
+from ..core.protocol import (
     PROTOCOL_VERSION,
     AdminInfo,
     AdminPeers,
@@ -28,8 +28,8 @@ from .protocol import (
     SlotInfo,
     SlotsReply,
 )
-from .rooms import Room
-from .slots import SlotState
+from ..core.rooms import Room
+from ..core.slots import SlotState
 
 
 def room_info(room: Room, now: float, history: bool = False) -> RoomInfo:

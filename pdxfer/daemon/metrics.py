@@ -13,8 +13,8 @@ import numpy as np
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .protocol import RoomState
-from .rooms import Room
+from ..core.protocol import RoomState
+from ..core.rooms import Room
 
 # Seconds, from a loopback room (~1 ms) to a room stuck until its timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -17,11 +17,11 @@ import fcntl
 import os
 import socket
 
-from . import hostchecks
-from .config import Config
-from .errors import Unsupported
-from .hostchecks import Check
-from .protocol import Role
+from ..ops import hostchecks
+from ..core.config import Config
+from ..core.errors import Unsupported
+from ..ops.hostchecks import Check
+from ..core.protocol import Role
 
 
 def settings(cfg: Config) -> hostchecks.Settings:

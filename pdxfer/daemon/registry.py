@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from .config import RENEWALS_PER_TTL
-from .errors import PdxferError, Unsupported
-from .protocol import UNDECODABLE, ErrorCode, Role
+from ..core.config import RENEWALS_PER_TTL
+from ..core.errors import PdxferError, Unsupported
+from ..core.protocol import UNDECODABLE, ErrorCode, Role
 
 log = logging.getLogger("pdxfer.registry")
 

@@ -22,19 +22,21 @@ from typing import Awaitable, Callable
 
 import zmq
 
-from . import admin, cpu_yield, memory, paths, preflight
-from .config import Config
-from .decode import DecodeService
-from .prefill import PrefillService
-from .errors import BadMessage, PdxferError, Unsupported
+from . import admin, preflight
+from ..host import cpu_yield, memory
+from ..core import paths
+from ..core.config import Config
+from ..roles.decode import DecodeService
+from ..roles.prefill import PrefillService
+from ..core.errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
-from .pump import TransferPump
-from .transport import PROBE_BYTES, Peer, Transport, build, label, primary
-from .peer_channel import PeerLink, PeerServer, Prove, RefusalLog
-from .wire import MAX_BATCH, Router, Seal, Unauthenticated
+from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
+from ..transport.pump import TransferPump
+from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
+from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
+from ..wire.sockets import MAX_BATCH, Router, Seal, Unauthenticated
 
 log = logging.getLogger("pdxfer.daemon")
 
@@ -163,7 +165,7 @@ class Daemon:
     def _window(self) -> int:
         """Writes in flight per peer: the configured window, kept at half the engine's
         own per-peer queue so that queue never refuses us."""
-        from .transport.mooncake import peer_queue_limit
+        from ..transport.mooncake import peer_queue_limit
 
         limit = peer_queue_limit(self.config.protocol, os.environ)
         if limit is not None and self.config.peer_window > limit // 2:
@@ -188,7 +190,7 @@ class Daemon:
             service.close_link = self._close_link
             service.send_link = self._send_link
         if cfg.role is Role.DECODE:
-            from .transport.mooncake import installed_release
+            from ..transport.mooncake import installed_release
 
             service.name = f"{cfg.host}/{cfg.instance}"
             service.engine_release = installed_release()

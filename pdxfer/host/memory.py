@@ -17,9 +17,9 @@ import secrets
 
 import numpy as np
 
-from .errors import BadMessage, InsufficientCapacity, Unsupported
-from .paths import device_kind
-from .protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
+from ..core.errors import BadMessage, InsufficientCapacity, Unsupported
+from ..core.paths import device_kind
+from ..core.protocol import CudaIpcHandle, MemoryHandle, NpuIpcHandle, ShmHandle
 
 SHM_DIR = "/dev/shm"
 KV_POOL_PREFIX, AUX_BUFFER_PREFIX = "pdxfer-kv", "pdxfer-aux"  # engines' shared memory is named PREFIX-PID-HEX

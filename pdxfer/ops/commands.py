@@ -1,6 +1,6 @@
 """Flags of the operator commands (rooms, room, peers, peer, slots, top, doctor).
-Standard library only, so ``pdxfer --help`` stays fast; pdxfer.inspection, pdxfer.top
-and pdxfer.doctor are imported when a command runs."""
+Standard library only, so ``pdxfer --help`` stays fast; pdxfer.ops.inspection, pdxfer.ops.top
+and pdxfer.ops.doctor are imported when a command runs."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _lazy(module: str, function: str):
     def call(args: argparse.Namespace) -> int:
         import importlib
 
-        return getattr(importlib.import_module(f"pdxfer.{module}"), function)(args)
+        return getattr(importlib.import_module(f"pdxfer.ops.{module}"), function)(args)
 
     return call
 

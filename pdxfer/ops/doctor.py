@@ -31,7 +31,7 @@ from .hostchecks import (
     npu_facts,
     rdma_devices,
 )
-from .transport.mooncake import installed_release
+from ..transport.mooncake import installed_release
 
 DESCRIPTION = """\
 Check this host for what a pdxfer daemon needs, and say how to fix each failure:
@@ -54,7 +54,7 @@ SKEW_WARN_MS = 100.0
 def check_daemons(args, s: Settings) -> tuple[list[Check], dict[int, str]]:
     """Readiness, clock skew and heartbeats of each daemon found; also the ports they hold."""
     from .inspection import AdminClient, CommandError, admin_sockets, choose_endpoint, daemon_name, read_secret
-    from .protocol import AdminInfo, AdminPeers
+    from ..core.protocol import AdminInfo, AdminPeers
 
     named = bool(args.daemon or args.name)
     if named:
@@ -142,7 +142,7 @@ def _duration(seconds: float) -> str:
 
 def settings(args) -> tuple[Settings, Check]:
     """What the daemon would use: flags, then PDXFER_* variables, then --config, then defaults."""
-    from . import config as config_mod
+    from ..core import config as config_mod
 
     env_role = os.environ.get(config_mod.ENV_PREFIX + "ROLE")
     role = args.role or env_role

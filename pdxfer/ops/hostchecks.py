@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .memory import SHM_DIR, available_memory, find_orphans, mapped_after_unlink
+from ..host.memory import SHM_DIR, available_memory, find_orphans, mapped_after_unlink
 
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 ENGINE_PROBE = """
@@ -65,7 +65,7 @@ def _size(n: float) -> str:
 
 
 def engine_version() -> str:
-    from .transport.mooncake import installed_engine
+    from ..transport.mooncake import installed_engine
 
     found = installed_engine()
     return " ".join(found) if found else "mooncake (version unknown)"
@@ -192,8 +192,8 @@ def check_protocols(s: Settings, probe: dict, devices: dict, gpu: dict, npu: dic
 def check_engine_env(s: Settings, env, release: str) -> Check:
     """What would break A3 over tcp: the engine's unacknowledged framing asked for in
     the environment, or an engine release from before acknowledged writes."""
-    from .errors import Unsupported
-    from .paths import TCP_LEGACY_PROTO_ENV, check_engine_release, check_tcp_framing
+    from ..core.errors import Unsupported
+    from ..core.paths import TCP_LEGACY_PROTO_ENV, check_engine_release, check_tcp_framing
 
     try:
         check_tcp_framing(s.protocol, env)
@@ -212,7 +212,7 @@ def check_engine_env(s: Settings, env, release: str) -> Check:
 
 def check_cpu_yield(s: Settings) -> Check:
     """Can a daemon here give the cores to its transfer engine's threads (--yield-cpu)?"""
-    from . import cpu_yield
+    from ..host import cpu_yield
 
     if not s.yield_cpu:
         return Check("cpu yield", "SKIP", "--no-yield-cpu: the daemon's threads keep the normal policy")

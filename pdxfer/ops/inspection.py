@@ -29,9 +29,9 @@ import msgspec
 import zmq
 
 from . import tables
-from .config import default_runtime_dir
-from .errors import BadMessage
-from .protocol import (
+from ..core.config import default_runtime_dir
+from ..core.errors import BadMessage
+from ..core.protocol import (
     AdminInfo,
     AdminPeers,
     AdminRoom,
@@ -46,7 +46,7 @@ from .protocol import (
     RoomState,
     SlotInfo,
 )
-from .wire import Seal, Unauthenticated
+from ..wire.sockets import Seal, Unauthenticated
 
 EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...
 EXIT_UNREACHABLE = 3  # no daemon could be chosen, or none answered
@@ -194,8 +194,8 @@ def read_secret(path: str | None) -> bytes:
     path = path or os.environ.get(SECRET_ENV, "")
     if not path:
         return b""
-    from .daemon import read_secret as daemon_read_secret  # the daemon's rules, so both sides read it alike
-    from .errors import PdxferError
+    from ..daemon.server import read_secret as daemon_read_secret  # the daemon's rules, so both sides read it alike
+    from ..core.errors import PdxferError
 
     try:
         return daemon_read_secret(path)

@@ -16,12 +16,13 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-from . import errors, memory, paths
-from .config import Config
-from .errors import PdxferError
-from .plan import check_memory_version
+from ..core import errors, paths
+from ..host import memory
+from ..core.config import Config
+from ..core.errors import PdxferError
+from ..core.plan import check_memory_version
 from .pools import AuxBuffer, KVPool
-from .protocol import (
+from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
     Abort,
@@ -50,9 +51,9 @@ from .protocol import (
     Welcome,
     tag_of,
 )
-from .rooms import Event, Room, RoomTable, Timeouts
-from .slots import SlotState
-from .transport import Peer
+from ..core.rooms import Event, Room, RoomTable, Timeouts
+from ..core.slots import SlotState
+from ..transport import Peer
 
 log = logging.getLogger("pdxfer.service")
 

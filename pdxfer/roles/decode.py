@@ -42,11 +42,11 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from . import errors, paths
-from .errors import IllegalTransition, PdxferError
-from .plan import check_pages, pages_from_bytes
+from ..core import errors, paths
+from ..core.errors import IllegalTransition, PdxferError
+from ..core.plan import check_pages, pages_from_bytes
 from .pools import compat
-from .protocol import (
+from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
     AuxRecord,
@@ -70,11 +70,11 @@ from .protocol import (
     TransferStarted,
     compat_hash,
 )
-from .rooms import Event, Room
-from .service import RoomService
-from .slots import SlotState
-from .stamp import HEADER_BYTES, Stamp, verify
-from .transport import primary
+from ..core.rooms import Event, Room
+from .base import RoomService
+from ..core.slots import SlotState
+from ..core.stamp import HEADER_BYTES, Stamp, verify
+from ..transport import primary
 
 log = logging.getLogger("pdxfer.decode")
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import Unsupported
-from .plan import Region, compat_of, layout_regions, pool_bytes, region_bases, region_views
-from .protocol import Compat, KVLayout, MemoryHandle
-from .slots import SlotAllocator
-from .stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
+from ..core.errors import Unsupported
+from ..core.plan import Region, compat_of, layout_regions, pool_bytes, region_bases, region_views
+from ..core.protocol import Compat, KVLayout, MemoryHandle
+from ..core.slots import SlotAllocator
+from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
 
 @dataclass(eq=False)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import errors, paths
-from .errors import PdxferError
-from .plan import (
+from ..core import errors, paths
+from ..core.errors import PdxferError
+from ..core.plan import (
     Blocks,
     check_capacity,
     check_memory_version,
@@ -37,7 +37,7 @@ from .plan import (
     pages_from_bytes,
     plan_blocks,
 )
-from .protocol import (
+from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
     AuxRecord,
@@ -63,11 +63,11 @@ from .protocol import (
     compat_hash,
 )
 from .pools import compat
-from .pump import Job
-from .transport import Peer, primary
-from .rooms import Event, Room
-from .service import RoomService
-from .stamp import HEADER_BYTES, stamp_for
+from ..transport.pump import Job
+from ..transport import Peer, primary
+from ..core.rooms import Event, Room
+from .base import RoomService
+from ..core.stamp import HEADER_BYTES, stamp_for
 
 log = logging.getLogger("pdxfer.prefill")
 

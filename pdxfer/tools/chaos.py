@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import errors
-from .client import AsyncClient, Slot
-from .plan import pages_for_tokens
-from .protocol import KVLayout, Layout, RoomState
+from ..core import errors
+from ..client import AsyncClient, Slot
+from ..core.plan import pages_for_tokens
+from ..core.protocol import KVLayout, Layout, RoomState
 from .sim import AUX_RECORD_BYTES, PageAllocator, aux_record, fill_pages, pages_match
 
 SLOT_WAIT = 60.0

@@ -118,7 +118,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str | None:
 
 
 def sim_argv(role: str, engine: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "pdxfer.sim", role, "--engine", engine, *flags]
+    return [sys.executable, "-m", "pdxfer.tools.sim", role, "--engine", engine, *flags]
 
 
 def start_sim(role: str, engine: str, *flags: str, stderr=None) -> subprocess.Popen:

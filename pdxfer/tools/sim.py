@@ -2,7 +2,7 @@
 sends them, and a decode engine that receives them and checks every byte.
 
 They use pdxfer.client exactly as a real engine would, run as their own processes
-(``python -m pdxfer.sim prefill|decode ...``), and print JSON lines on stdout:
+(``python -m pdxfer.tools.sim prefill|decode ...``), and print JSON lines on stdout:
 ``progress`` lines while they run and one ``summary`` line at the end (with the CPU
 seconds the process spent from its first room to its last: ``cpu_s``). The demo,
 the integration tests and the benchmark drive them.
@@ -12,7 +12,7 @@ ids are random 64-bit values, prompts are 1..max_tokens tokens, and page choices
 scattered so that coalescing has real work to do.
 
 For the benchmark, ``--plan FILE`` takes the rooms and both sides' page lists from a
-plan file (pdxfer.bench_plan) instead, and fills the sources and makes every room's
+plan file (pdxfer.tools.bench.plan) instead, and fills the sources and makes every room's
 aux record before the first room; ``--timings FILE`` records when each room's
 send()/expect() was called and when its wait() returned.
 """
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import errors
-from .cli import run_uvloop
-from .client import AsyncClient, Slot
-from .plan import pages_for_tokens
-from .protocol import KVLayout, Layout, RoomState
+from ..core import errors
+from ..cli import run_uvloop
+from ..client import AsyncClient, Slot
+from ..core.plan import pages_for_tokens
+from ..core.protocol import KVLayout, Layout, RoomState
 
 AUX_RECORD_BYTES = 64
 FAULTS = ("small", "stale", "out_of_range")
@@ -165,7 +165,7 @@ def _rooms(args) -> tuple[list[RoomSpec], dict[int, tuple[np.ndarray, np.ndarray
     """The rooms to run and, with --plan, each room's (source, destination) pages."""
     if not args.plan:
         return room_plan(args.seed, args.rooms, args.max_tokens), {}
-    from .bench_plan import Plan
+    from .bench.plan import Plan
 
     plan = Plan.load(args.plan)
     if plan.num_pages > args.pages:
@@ -384,7 +384,7 @@ async def run_decode(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdxfer.sim", description="A simulated prefill or decode engine driving a pdxfer daemon.")
+    p = argparse.ArgumentParser(prog="python -m pdxfer.tools.sim", description="A simulated prefill or decode engine driving a pdxfer daemon.")
     p.add_argument("role", choices=["prefill", "decode"])
     p.add_argument("--engine", required=True, help="the daemon's engine endpoint")
     p.add_argument("--bootstrap", default="", help="decode: the prefill daemon's bootstrap address (host:port)")
@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", default=[], metavar="KIND:EVERY",
                    help=f"decode: make every EVERY-th room faulty; KIND is one of {', '.join(FAULTS)}")
     p.add_argument("--plan", default="", metavar="FILE",
-                   help="take the rooms and both sides' page lists from a benchmark plan file (pdxfer.bench_plan) instead of "
+                   help="take the rooms and both sides' page lists from a benchmark plan file (pdxfer.tools.bench.plan) instead of "
                    "--rooms/--max-tokens/--seed; its pages are never reused, so the prefill fills every source page before "
                    "its first send() and the decode checks destination pages after its last room")
     p.add_argument("--timings", default="", metavar="FILE",

@@ -12,9 +12,9 @@ import logging
 import os
 from typing import Callable
 
-from .. import paths
-from ..config import Config
-from ..errors import Unsupported
+from ..core import paths
+from ..core.config import Config
+from ..core.errors import Unsupported
 from . import Transport
 
 log = logging.getLogger("pdxfer.transport")

@@ -247,7 +247,7 @@ class Host:
 
     def _answer(self, msg: Request, fd: int) -> Reply:
         if isinstance(msg, Start):
-            from ..config import Config
+            from ..core.config import Config
             from ..logs import setup_logging
             from . import build
 

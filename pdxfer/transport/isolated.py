@@ -26,10 +26,10 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from ..config import Config
-from ..cpu_yield import normal_policy
-from ..errors import Unsupported
-from ..memory import SharedMemory
+from ..core.config import Config
+from ..host.cpu_yield import normal_policy
+from ..core.errors import Unsupported
+from ..host.memory import SharedMemory
 from . import Peer, Status
 from .host import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Reset, Settled, Start, Submit, Unregister
 from .mooncake import PROBE_TIMEOUT, SCRATCH_BYTES

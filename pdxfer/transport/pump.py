@@ -34,9 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cpu_yield import normal_policy
-from .plan import Blocks
-from .transport import Peer, Status, Transport, label
+from ..host.cpu_yield import normal_policy
+from ..core.plan import Blocks
+from . import Peer, Status, Transport, label
 
 log = logging.getLogger("pdxfer.pump")
 

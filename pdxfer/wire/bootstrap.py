@@ -42,9 +42,9 @@ import struct
 import time
 from typing import Callable
 
-from .errors import BadMessage
-from .protocol import ErrorCode
-from .wire import MAX_BATCH, Dropped, Head, Outbox, _no_head
+from ..core.errors import BadMessage
+from ..core.protocol import ErrorCode
+from .sockets import MAX_BATCH, Dropped, Head, Outbox, _no_head
 
 log = logging.getLogger("pdxfer.peer_channel")
 

@@ -33,8 +33,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import BadMessage, PdxferError
-from .protocol import UNDECODABLE, Envelope, ErrorCode
+from ..core.errors import BadMessage, PdxferError
+from ..core.protocol import UNDECODABLE, Envelope, ErrorCode
 
 log = logging.getLogger("pdxfer.wire")
 

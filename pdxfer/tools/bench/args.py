@@ -1,12 +1,12 @@
-"""``pdxfer bench`` flags. Standard library and pdxfer.config only (the CLI loads
-both anyway), so ``pdxfer --help`` stays fast; the benchmark itself (pdxfer.bench)
+"""``pdxfer bench`` flags. Standard library and pdxfer.core.config only (the CLI loads
+both anyway), so ``pdxfer --help`` stays fast; the benchmark itself (pdxfer.tools.bench.main)
 is imported when the command runs."""
 
 from __future__ import annotations
 
 import argparse
 
-from .config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
+from ...core.config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
@@ -25,7 +25,7 @@ each room's KV pages from a prefill pool to a decode pool on loopback:
             pdxfer.client; a room runs from the engine's send()/expect() (the later
             of the two) until the decode engine sees Success
 
-Room page lists come from --seed; blocks from pdxfer.plan. Pools hold every room's
+Room page lists come from --seed; blocks from pdxfer.core.plan. Pools hold every room's
 pages, so sources are filled (and pdxfer's aux records made) before and destinations
 checked (every byte, every room, every system) after the timed window; any mismatch
 or failed room is reported and the command exits 1. A run maps a source and a

@@ -1,8 +1,8 @@
 """``pdxfer bench``: wire, raw transfer engines and pdxfer, on the same buffers and
 block lists, workload by workload; medians over repeats, ratios, targets.
 
-The pieces: pdxfer.bench_args (flags), pdxfer.bench_plan (workloads, page lists,
-blocks), pdxfer.bench_raw (the reference processes), pdxfer.bench_run (one run of
+The pieces: pdxfer.tools.bench.args (flags), pdxfer.tools.bench.plan (workloads, page lists,
+blocks), pdxfer.tools.bench.raw (the reference processes), pdxfer.tools.bench.run (one run of
 one workload on one system). This module schedules the runs, draws the progress bar
 and prints the results.
 """
@@ -19,15 +19,16 @@ import sys
 import tempfile
 import time
 
-from . import config, cpu_yield
-from .bench_plan import Plan, Workload, block_counts, make_plan, time_planning
-from .bench_raw import APIS as RAW_APIS
-from .bench_report import FIGURES, format_report, targets
-from .bench_run import RUNNERS, RunOptions, RunResult
-from .demo import ProgressBar
-from .memory import room_for_pools, sweep_orphans
-from .plan import pool_bytes
-from .tables import size
+from ...core import config
+from ...host import cpu_yield
+from .plan import Plan, Workload, block_counts, make_plan, time_planning
+from .raw import APIS as RAW_APIS
+from .report import FIGURES, format_report, targets
+from .run import RUNNERS, RunOptions, RunResult
+from ..demo import ProgressBar
+from ...host.memory import room_for_pools, sweep_orphans
+from ...core.plan import pool_bytes
+from ...ops.tables import size
 
 WIRE_WORKLOADS = ("large", "medium", "small")
 BANDWIDTH_WORKLOADS = ("large", "medium")  # bound by moving bytes, not by messages

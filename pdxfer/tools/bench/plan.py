@@ -2,9 +2,9 @@
 from a seed, so that the raw reference runs and pdxfer move the same blocks.
 
 A plan is saved to a small ``.npz`` file that every benchmark process reads: the
-simulated engines (``python -m pdxfer.sim ... --plan FILE``), the raw transfer-engine
-processes and the socket processes (``python -m pdxfer.bench_raw``). Blocks come from
-``pdxfer.plan.plan_blocks``, the function the prefill daemon plans with.
+simulated engines (``python -m pdxfer.tools.sim ... --plan FILE``), the raw transfer-engine
+processes and the socket processes (``python -m pdxfer.tools.bench.raw``). Blocks come from
+``pdxfer.core.plan.plan_blocks``, the function the prefill daemon plans with.
 
 Pages are never reused within a plan: the pools hold every room's pages, so sources
 can be filled before the first room and destinations checked after the last one,
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .plan import Blocks, check_pages, layout_regions, pages_from_bytes, pages_to_bytes, plan_blocks, region_bases
-from .protocol import KVLayout, Layout
+from ...core.plan import Blocks, check_pages, layout_regions, pages_from_bytes, pages_to_bytes, plan_blocks, region_bases
+from ...core.protocol import KVLayout, Layout
 
 SRC_RUN = 4  # source pages come in runs of this many consecutive pages, as allocators hand them out
 

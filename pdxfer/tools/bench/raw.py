@@ -1,21 +1,21 @@
 """The benchmark's two references: pairs of processes that move the blocks of a plan
-file (pdxfer.bench_plan) from a source pool into a destination pool, both made the
+file (pdxfer.tools.bench.plan) from a source pool into a destination pool, both made the
 way engines make them (pdxfer.client.KVPool: /dev/shm, pre-faulted) and filled and
-checked with the simulated engines' pattern (pdxfer.sim):
+checked with the simulated engines' pattern (pdxfer.tools.sim):
 
 * baseline: two raw Mooncake transfer engines. ``te-target`` registers the
   destination pool and waits; ``te-writer`` writes every room's blocks, exactly as
   the prefill daemon plans them, with one of the engine's APIs (``--api``), at most
   ``--in-flight`` rooms and ``--window`` writes in flight. A room is done when its
   last write completed at the writer. ``--engines N`` gives each process N engines
-  and spreads the writes over them as pdxfer's daemons do (pdxfer.paths.stripes):
+  and spreads the writes over them as pdxfer's daemons do (pdxfer.core.paths.stripes):
   one engine each is how engines run today, several is pdxfer's way without pdxfer.
 * wire: one TCP stream on loopback. ``wire-send`` sends every block of every room,
   gathered with sendmsg(); ``wire-recv`` scatters them into their destinations with
   recvmsg_into(). This is the most the box's network path carries, with no protocol.
 
-    python -m pdxfer.bench_raw te-target --plan FILE
-    python -m pdxfer.bench_raw te-writer --plan FILE --peer HOST:PORT[,HOST:PORT...] --dst-base ADDR [...]
+    python -m pdxfer.tools.bench.raw te-target --plan FILE
+    python -m pdxfer.tools.bench.raw te-writer --plan FILE --peer HOST:PORT[,HOST:PORT...] --dst-base ADDR [...]
 
 Each prints JSON lines on stdout: ``ready`` (with what its peer needs), ``progress``
 and one ``summary``. Destinations are checked after the timed window; every room
@@ -36,10 +36,10 @@ from collections import deque
 
 import numpy as np
 
-from .bench_plan import Plan
-from .client import KVPool
-from .paths import stripes
-from .sim import Reporter, corrupt_one_byte, fill_pages, pages_match
+from .plan import Plan
+from ...client import KVPool
+from ...core.paths import stripes
+from ..sim import Reporter, corrupt_one_byte, fill_pages, pages_match
 
 APIS = ("submit", "submit_spin", "batch_async", "batch_sync")
 POLL_MIN, POLL_MAX = 0.00005, 0.001  # backoff between status polls when nothing completed
@@ -421,14 +421,14 @@ def wire_send(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdxfer.bench_raw", description="The benchmark's reference transfers (see pdxfer bench).")
+    p = argparse.ArgumentParser(prog="python -m pdxfer.tools.bench.raw", description="The benchmark's reference transfers (see pdxfer bench).")
     sub = p.add_subparsers(dest="role", required=True)
     for name, text in (("te-target", "raw transfer engine owning the destination pool"),
                        ("te-writer", "raw transfer engine writing every block into te-target's pool"),
                        ("wire-recv", "socket receiver scattering blocks into the destination pool"),
                        ("wire-send", "socket sender of every block")):
         s = sub.add_parser(name, help=text)
-        s.add_argument("--plan", required=True, metavar="FILE", help="plan file written by pdxfer.bench_plan")
+        s.add_argument("--plan", required=True, metavar="FILE", help="plan file written by pdxfer.tools.bench.plan")
         s.add_argument("--timings", default="", metavar="FILE", help="write each room's start and end times here (.npz)")
         if name in ("te-target", "te-writer"):
             s.add_argument("--engines", type=int, default=1, help="transfer engines in this process, writes spread over them (default: 1)")

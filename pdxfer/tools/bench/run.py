@@ -1,6 +1,6 @@
 """One benchmark run: one workload's plan on one system (wire, baseline or pdxfer),
 its processes, /proc samples of the processes that move the bytes, and the run's
-figures. pdxfer.bench repeats runs and compares them.
+figures. pdxfer.tools.bench.main repeats runs and compares them.
 
 Every run's clock is CLOCK_MONOTONIC, read in the processes themselves: a room starts
 when the engine calls send() or expect(), whichever comes later (baseline: when the
@@ -25,12 +25,12 @@ from typing import Callable
 
 import numpy as np
 
-from .bench_plan import Plan, block_counts
-from .bench_raw import proc_sample
-from .config import TCP_ENGINES, TCP_LANES
-from .inspection import daemon_counters
-from .launch import LaunchError, read_events, sim_argv, start_daemon, stop_all
-from .paths import engine_env
+from .plan import Plan, block_counts
+from .raw import proc_sample
+from ...core.config import TCP_ENGINES, TCP_LANES
+from ...ops.inspection import daemon_counters
+from ..launch import LaunchError, read_events, sim_argv, start_daemon, stop_all
+from ...core.paths import engine_env
 
 Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
 
@@ -137,7 +137,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def raw_argv(role: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "pdxfer.bench_raw", role, *flags]
+    return [sys.executable, "-m", "pdxfer.tools.bench.raw", role, *flags]
 
 
 def _spawn(argv: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
