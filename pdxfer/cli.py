@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -26,15 +25,6 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{desc}{shown}{env}")
 
 
-def run_uvloop(coro):
-    """Run ``coro`` to completion on uvloop; its result."""
-    try:
-        import uvloop
-    except ImportError:  # uvloop is a dependency; this only keeps odd platforms working
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.load(vars(args), file=args.config)
@@ -44,8 +34,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .logs import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_format, cfg.instance)
-    from .daemon.server import Daemon
     from .core.errors import PdxferError
+    from .daemon.server import Daemon
+    from .loop import run_uvloop
 
     try:
         run_uvloop(Daemon(cfg).run())

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core import errors
-from ..cli import run_uvloop
+from ..loop import run_uvloop
 from ..client import AsyncClient, Slot
 from ..core.plan import pages_for_tokens
 from ..core.protocol import KVLayout, Layout, RoomState
