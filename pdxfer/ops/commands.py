@@ -154,7 +154,7 @@ def add_commands(sub) -> None:
         "throughput from the daemon's counters between refreshes, totals, transfer queue depths, failures by\n"
         "reason, peers, and the oldest live rooms. The screen fits the terminal (tables show the rows that fit\n"
         "and count the rest). q or Ctrl-C quits.",
-        "print one JSON object per refresh (info, rates, peers, live rooms) instead of a screen", _lazy("inspection", "cmd_top"),
+        "print one JSON object per refresh (info, rates, peers, live rooms) instead of a screen", _lazy("top", "cmd_top"),
     )
     top.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS", help="seconds between refreshes (default: 1)")
     top.add_argument("--iterations", type=positive_int, default=0, metavar="N", help="stop after N refreshes (default: run until Ctrl-C)")

@@ -5,7 +5,7 @@
     pdxfer peers / pdxfer peer P [--drain]                 the peer table; drain a peer
     pdxfer slots [--free]                                  the aux slot table
     (rooms, peers and slots take --all: every daemon in the runtime directory, one table)
-    pdxfer top                                             a live view (pdxfer/top.py)
+    pdxfer top                                             a live view (top.py)
 
 Each prints an aligned table, or with --json the reply's data. A daemon is chosen
 by --daemon ENDPOINT, by --name NAME in --runtime-dir, or as the only admin socket
@@ -509,9 +509,3 @@ def cmd_slots(args) -> int:
             print(hint.strip(" ()"))
 
     return run_all(args, lambda admin: admin.call(AdminSlots).slots, show_all) if args.all else run(args, body)
-
-
-def cmd_top(args) -> int:
-    from .top import run_top
-
-    return run(args, run_top)

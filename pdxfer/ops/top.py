@@ -20,7 +20,7 @@ import time
 from typing import NamedTuple
 
 from . import tables
-from .inspection import AdminClient, peers_table, plain, rooms_table
+from .inspection import AdminClient, peers_table, plain, rooms_table, run
 from ..core.protocol import AdminInfo, AdminPeers, AdminRooms, InfoReply, PeerInfo, RoomInfo
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -210,3 +210,7 @@ class Keys:
 
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
             self._saved = None
+
+
+def cmd_top(args) -> int:
+    return run(args, run_top)
