@@ -44,7 +44,8 @@ from pdxfer.wire.bootstrap import encode
 from pdxfer.core.plan import compat_of, pages_to_bytes
 from pdxfer.core.protocol import RoomState
 from pdxfer.roles.base import loose_req
-from pdxfer.wire.sockets import MAX_BATCH, Seal
+from pdxfer.wire.batch import MAX_BATCH
+from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerSocket, decode_hello

@@ -21,7 +21,7 @@ from pdxfer.daemon.server import Daemon
 from pdxfer.roles.prefill import PrefillService
 from pdxfer.tools.launch import LaunchError, start_daemon
 from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
-from pdxfer.wire.sockets import MAX_BATCH
+from pdxfer.wire.batch import MAX_BATCH
 
 from .conftest import needs_mooncake, orphan_pool, small_layout
 

@@ -39,7 +39,7 @@ from pdxfer.core.protocol import (
     RoomRequest,
     RoomState,
 )
-from pdxfer.wire.sockets import Seal
+from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake, small_layout
 from .peersocket import PeerListener

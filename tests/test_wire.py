@@ -9,7 +9,9 @@ import pytest
 import zmq
 
 from pdxfer.core.errors import BadMessage
-from pdxfer.wire.sockets import MAX_BATCH, SEND_AT, Dealer, Router, Seal, Unauthenticated
+from pdxfer.wire.batch import MAX_BATCH, SEND_AT
+from pdxfer.wire.seal import Seal, Unauthenticated
+from pdxfer.wire.sockets import Dealer, Router
 
 from .roomkit import arrived
 

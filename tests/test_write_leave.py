@@ -33,7 +33,7 @@ from pdxfer.core.protocol import (
     RoomState,
     TransferStarted,
 )
-from pdxfer.wire.sockets import Seal
+from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket, decode_hello

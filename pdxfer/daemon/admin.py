@@ -1,7 +1,7 @@
 """The admin API: what ``pdxfer rooms``, ``room``, ``peers``, ``slots``, ``top`` and
 ``doctor`` ask a running daemon. Read-only unless the daemon runs with
 --admin-writes; requests are signed like bootstrap messages when the cluster has a
-secret (see wire.Seal)."""
+secret (see wire.seal.Seal)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,9 @@ from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Me
 from ..transport.pump import TransferPump
 from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
-from ..wire.sockets import MAX_BATCH, Router, Seal, Unauthenticated
+from ..wire.batch import MAX_BATCH
+from ..wire.seal import Seal, Unauthenticated
+from ..wire.sockets import Router
 
 log = logging.getLogger("pdxfer.daemon")
 

@@ -46,7 +46,7 @@ from ..core.protocol import (
     RoomState,
     SlotInfo,
 )
-from ..wire.sockets import Seal, Unauthenticated
+from ..wire.seal import Seal, Unauthenticated
 
 EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...
 EXIT_UNREACHABLE = 3  # no daemon could be chosen, or none answered

@@ -365,7 +365,7 @@ class DecodeService(RoomService):
         self.close_link(link.endpoint)
 
     def link_unauthenticated(self, endpoint: str, why: str) -> None:
-        """A message from the prefill whose signature does not check (wire.Seal says
+        """A message from the prefill whose signature does not check (wire.seal.Seal says
         which side lacks the secret): nothing in it is believed, but the link's live
         rooms fail now, naming the cluster secret, instead of at the bootstrap timeout.
         That gives no one a power they lacked: whoever can put bytes on this

@@ -210,7 +210,7 @@ class PrefillService(RoomService):
             self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
 
     def refuse_unauthenticated(self, identity: bytes, payloads: list[bytes], why: str) -> None:
-        """A message whose signature does not check (wire.Seal): refused with the reason,
+        """A message whose signature does not check (wire.seal.Seal): refused with the reason,
         which names the cluster secret, and logged naming the decode daemon as its
         peer_hello (a connection's first message) names it: unverified, and so quoted,
         but what an operator looks for."""

@@ -1,5 +1,5 @@
 """The bootstrap channel between daemons: length-prefixed frames over plain TCP,
-driven by the event loop. Engines still reach their daemon over ZMQ (wire.py).
+driven by the event loop. Engines still reach their daemon over ZMQ (sockets.py).
 
 The daemons own both ends of this channel, so it needs nothing ZMQ adds, and ZMQ
 costs here: each of its messages wakes an I/O thread on each side besides the two
@@ -9,9 +9,9 @@ and 56-74 us of the caller's CPU over ZMQ, 14 us and ~20 us over a plain socket.
 A connection starts with PREAMBLE from the connecting side. The accepting side
 answers with a challenge (one message of one frame: NONCE_BYTES random bytes, new for
 every connection), and the connecting side with one message of two frames: its
-identity and a proof, which with a cluster secret is wire.Seal.prove of the challenge
+identity and a proof, which with a cluster secret is seal.Seal.prove of the challenge
 and the identity, and without one is empty. Every message after that is a batch as
-on ZMQ (an envelope frame and 1 to MAX_BATCH payload frames, see wire.Seal). A message
+on ZMQ (an envelope frame and 1 to MAX_BATCH payload frames, see seal.Seal). A message
 is laid out as ``u32 frame count``, one ``u32 length`` per frame, then the frames
 (little-endian).
 
@@ -44,7 +44,7 @@ from typing import Callable
 
 from ..core.errors import BadMessage
 from ..core.protocol import ErrorCode
-from .sockets import MAX_BATCH, Dropped, Head, Outbox, _no_head
+from .batch import MAX_BATCH, Dropped, Head, Outbox, no_head
 
 log = logging.getLogger("pdxfer.peer_channel")
 
@@ -61,7 +61,7 @@ CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not
 HANDSHAKE_SECONDS = 10.0  # a connection whose challenge is not answered (or sent) by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
 
-Prove = Callable[[bytes, bytes], bytes]  # (challenge, identity) -> proof: wire.Seal.prove
+Prove = Callable[[bytes, bytes], bytes]  # (challenge, identity) -> proof: seal.Seal.prove
 Refused = Callable[[ErrorCode, str], list[bytes]]  # (code, why) -> a last message for the refused connection, or []
 
 
@@ -213,7 +213,7 @@ class _Connection(asyncio.Protocol):
 class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
     each message of each identified connection; ``post(identity, payload)`` queues a
-    reply (see wire.Outbox); one to an identity not connected, or past a full send
+    reply (see batch.Outbox); one to an identity not connected, or past a full send
     buffer, is dropped and ``on_dropped`` hears of it. With ``prove`` (a cluster
     secret), a connection takes an identity only with its proof; without, on its
     claim. A connection that took an identity already connected replaces that
@@ -235,10 +235,10 @@ class PeerServer:
         self._open: set[_Connection] = set()
         self._by_identity: dict[bytes, _Connection] = {}
         self._outbox = Outbox(self._send_batch)
-        self._head: Head = _no_head
+        self._head: Head = no_head
         self._on_message: Callable[[bytes, list[bytes]], None] = lambda identity, frames: None
 
-    async def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = _no_head) -> str:
+    async def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = no_head) -> str:
         """Bind (port 0: any free port) and return the bound ``tcp://host:port``;
         connections are accepted only from ``serve()`` on."""
         self._on_message, self._head, self._outbox.loop = on_message, head, loop
@@ -341,7 +341,7 @@ class PeerLink:
         self.refusals = RefusalLog(log)
         self._challenge: asyncio.Future | None = None  # of the connection being set up
         self._outbox = Outbox(self._send_batch)
-        self._head: Head = _no_head
+        self._head: Head = no_head
         self._conn: _Connection | None = None
         self._waiting: list[list[bytes]] = []  # batches of payloads posted while not connected
         self._waiting_bytes = 0
@@ -356,7 +356,7 @@ class PeerLink:
         loop: asyncio.AbstractEventLoop,
         on_message: Callable[[list[bytes]], None],
         on_connection: Callable[[str], None] | None = None,
-        head: Head = _no_head,
+        head: Head = no_head,
     ) -> None:
         self._on_message, self._head, self._outbox.loop = on_message, head, loop
         if on_connection is not None:

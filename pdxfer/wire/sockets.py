@@ -1,6 +1,6 @@
-"""ZMQ sockets (the engine and admin channels), batching and signed envelopes; no
-business logic. The bootstrap channel between daemons is plain TCP (peer_channel.py)
-and uses the batching and envelopes from here.
+"""ZMQ sockets (the engine and admin channels); no business logic. Batching is
+batch.py's, signed envelopes seal.py's: the bootstrap channel between daemons, plain
+TCP (bootstrap.py), uses both without ZMQ.
 
 Every frame of MessagePack is one message. A ZMQ message carries one or more of
 them: engine messages are just those frames; peer and admin messages start with an
@@ -10,8 +10,7 @@ connection whose frame exceeds twice the limit before it is buffered, and anythi
 over the limit itself is refused with an error reply by the caller.
 
 Messages posted to one destination during one turn of the event loop leave together,
-as one ZMQ message (``Outbox``): under load that is one wake-up of each side's I/O
-thread and of the receiver's loop for many messages, not one each.
+as one ZMQ message (``batch.Outbox``).
 
 Sockets are plain (not zmq.asyncio) and driven by the event loop: the loop watches
 each socket's file descriptor and hands every waiting message to a callback, and
@@ -21,20 +20,15 @@ round trip on loopback from ~130 us to ~45 us here.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import asyncio
 import logging
 import os
-
-import asyncio
 from typing import Callable
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..core.errors import BadMessage, PdxferError
-from ..core.protocol import UNDECODABLE, Envelope, ErrorCode
+from .batch import COPY_BELOW, Dropped, Head, Outbox, no_head
 
 log = logging.getLogger("pdxfer.wire")
 
@@ -62,75 +56,7 @@ def restrict_ipc(endpoint: str) -> None:
         os.chmod(endpoint[len("ipc://") :], 0o600)
 
 
-class Unauthenticated(PdxferError):
-    code = ErrorCode.UNAUTHENTICATED
-
-
-MAC_BYTES = 16
-HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"
-
-
-class Seal:
-    """Signs and checks peer envelopes. Without a secret it only names the sender."""
-
-    def __init__(self, incarnation: str, secret: bytes = b"") -> None:
-        self.incarnation = incarnation
-        self.secret = secret
-        self._decoder = msgspec.msgpack.Decoder(Envelope)
-        self._encoder = msgspec.msgpack.Encoder()
-
-    def _mac(self, incarnation: str, payloads: list[bytes]) -> bytes:
-        mac = hmac.new(self.secret, incarnation.encode() + b"\0", hashlib.sha256)
-        for payload in payloads:  # length-prefixed: frames cannot be re-cut under one mac
-            mac.update(len(payload).to_bytes(8, "little"))
-            mac.update(payload)
-        return mac.digest()[:MAC_BYTES]
-
-    def prove(self, nonce: bytes, identity: bytes) -> bytes:
-        """Proof that whoever answers the bootstrap channel's challenge ``nonce`` as
-        ``identity`` holds this secret (see peer_channel). The tag keeps a proof from
-        ever being a daemon's envelope mac (those start with its hex incarnation); the
-        nonce has a fixed size, so nonce and identity cannot be re-cut."""
-        return hmac.new(self.secret, HANDSHAKE_TAG + nonce + identity, hashlib.sha256).digest()[:MAC_BYTES]
-
-    def envelope(self, payloads: list[bytes]) -> bytes:
-        mac = self._mac(self.incarnation, payloads) if self.secret else b""
-        return self._encoder.encode(Envelope(self.incarnation, mac))
-
-    def seal(self, payloads: list[bytes]) -> list[bytes]:
-        return [self.envelope(payloads), *payloads]
-
-    def open(self, frames: list[bytes], refuse_signed: bool = False) -> tuple[str, list[bytes]]:
-        """(sender incarnation, payloads), or BadMessage / Unauthenticated, which says
-        which side lacks the secret: a secret set on one side only is the usual cause.
-        ``refuse_signed``: without a secret, refuse a signed message too (its sender
-        holds a secret this side lacks, and would refuse our unsigned answers)."""
-        if not 2 <= len(frames) <= MAX_BATCH + 1:
-            raise BadMessage(f"a peer message has an envelope and 1 to {MAX_BATCH} payload frames, not {len(frames)} frames")
-        try:
-            env = self._decoder.decode(frames[0])
-        except UNDECODABLE as exc:
-            raise BadMessage(f"cannot decode the envelope: {exc}") from None
-        payloads = frames[1:]
-        if self.secret:
-            if not env.mac:
-                raise Unauthenticated("message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none")
-            if not hmac.compare_digest(env.mac, self._mac(env.incarnation, payloads)):
-                raise Unauthenticated("message not signed with the receiver's cluster secret (--cluster-secret-file): "
-                                      "the sender has another one, or the message was altered")
-        elif env.mac and refuse_signed:
-            raise Unauthenticated("message signed with a cluster secret (--cluster-secret-file), and the receiver has none")
-        return env.incarnation, payloads
-
-
 BATCH = 256  # ZMQ messages handled per wake-up before other callbacks get a turn
-MAX_BATCH = 256  # messages (frames) one ZMQ message may carry; receivers refuse more
-# A batch leaves once it holds this many messages, not at the end of the turn: a turn
-# that handles hundreds of rooms' messages would otherwise hold every reply until its
-# end, the next process would do the same, and rooms would move in waves with cores
-# idle between them. Small rooms, 64 in flight: ~3,500 rooms/s with whole-turn batches,
-# ~4,500 with 8 (with 1, ~3,000: the sends then cost more than the waves).
-SEND_AT = 8
 # Plain ints: zmq's flag enums cost a Python-level __or__ on every frame.
 _LAST = int(zmq.NOBLOCK)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -139,46 +65,6 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 # handling): 0.5-1 us less per frame sent here, on every message.
 _send_frame, _recv_frame, _option = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
 CLOSE_LINGER = 100  # ms
-_COPY_BELOW = 65536  # frames smaller than this are copied (cheaper than tracking zero-copy)
-
-
-Head = Callable[[list[bytes]], list[bytes]]  # the frames that go before a batch's payloads
-Dropped = Callable[["bytes | None", list[bytes]], None]  # (destination, payloads) that could not be queued
-
-
-def _no_head(payloads: list[bytes]) -> list[bytes]:
-    return []
-
-
-class Outbox:
-    """Messages posted per destination (a ROUTER's peer identity, or None on a
-    connected socket), handed to ``send_batch`` together: at the end of this turn of
-    the loop, or at once when a destination's batch holds SEND_AT messages or a big one."""
-
-    def __init__(self, send_batch: Callable[[bytes | None, list[bytes]], None]) -> None:
-        self.send_batch = send_batch
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._batches: dict[bytes | None, list[bytes]] = {}
-        self._flush_pending = False
-
-    def post(self, payload: bytes, to: bytes | None = None) -> None:
-        batch = self._batches.get(to)
-        if batch is None:
-            batch = self._batches[to] = []
-            if not self._flush_pending and self.loop is not None:
-                self._flush_pending = True
-                self.loop.call_soon(self.flush)
-        batch.append(payload)
-        if len(batch) >= SEND_AT or len(payload) >= _COPY_BELOW:
-            self.send_batch(to, self._batches.pop(to))
-
-    def flush(self) -> bool:
-        """Send every posted message now; whether there were any."""
-        self._flush_pending = False
-        batches, self._batches = self._batches, {}
-        for to, payloads in batches.items():
-            self.send_batch(to, payloads)
-        return bool(batches)
 
 
 class LoopSocket:
@@ -187,7 +73,7 @@ class LoopSocket:
     ZMQ message per destination per turn of the loop, or per SEND_AT messages). A
     callback's exception is logged, ``on_error`` hears of it, and the socket goes on (H1)."""
 
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str, head: Head = _no_head) -> None:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], name: str, head: Head = no_head) -> None:
         self.sock = sock
         self.on_message = on_message
         self.name = name
@@ -255,8 +141,8 @@ class LoopSocket:
             return False
         try:
             for frame in frames[:-1]:
-                _send_frame(sock, frame, _MORE, len(frame) < _COPY_BELOW)
-            _send_frame(sock, frames[-1], _LAST, len(frames[-1]) < _COPY_BELOW)
+                _send_frame(sock, frame, _MORE, len(frame) < COPY_BELOW)
+            _send_frame(sock, frames[-1], _LAST, len(frames[-1]) < COPY_BELOW)
             return True
         except zmq.ZMQError as exc:
             log.debug("%s: dropped a message to %r: %s", self.name, to, exc)
@@ -309,7 +195,7 @@ class Router:
         self._io: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = _no_head) -> str:
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = no_head) -> str:
         prepare_ipc(self.endpoint)
         sock = self.ctx.socket(zmq.ROUTER)
         _tune(sock, self.max_bytes, self.hwm)
@@ -367,7 +253,7 @@ class Dealer:
         loop: asyncio.AbstractEventLoop,
         on_message: Callable[[list[bytes]], None],
         on_connection: Callable[[str], None] | None = None,
-        head: Head = _no_head,
+        head: Head = no_head,
         on_dropped: Dropped | None = None,
     ) -> None:
         sock = self.ctx.socket(zmq.DEALER)
