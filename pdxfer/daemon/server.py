@@ -37,7 +37,7 @@ from ..transport.pump import TransferPump
 from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
 from ..wire.batch import MAX_BATCH
-from ..wire.seal import Seal, Unauthenticated
+from ..wire.seal import Seal, Unauthenticated, read_secret
 from ..wire.sockets import Router
 
 log = logging.getLogger("pdxfer.daemon")
@@ -555,16 +555,3 @@ class Daemon:
         link = self._links.get(endpoint)
         if link is not None:
             link.post(self.codec.encode(message))
-
-
-def read_secret(path: str) -> bytes:
-    if not path:
-        return b""
-    try:
-        with open(path, "rb") as fh:
-            secret = fh.read().strip()
-    except OSError as exc:
-        raise Unsupported(f"cannot read the cluster secret file {path}: {exc.strerror}") from None
-    if len(secret) < 16:
-        raise Unsupported(f"the cluster secret in {path} is {len(secret)} bytes; use at least 16")
-    return secret

@@ -53,7 +53,7 @@ SKEW_WARN_MS = 100.0
 
 def check_daemons(args, s: Settings) -> tuple[list[Check], dict[int, str]]:
     """Readiness, clock skew and heartbeats of each daemon found; also the ports they hold."""
-    from .inspection import AdminClient, CommandError, admin_sockets, choose_endpoint, daemon_name, read_secret
+    from .inspection import AdminClient, CommandError, admin_sockets, choose_endpoint, command_secret, daemon_name
     from ..core.protocol import AdminInfo, AdminPeers
 
     named = bool(args.daemon or args.name)
@@ -65,7 +65,7 @@ def check_daemons(args, s: Settings) -> tuple[list[Check], dict[int, str]]:
             return [Check("daemons", "SKIP", f"no daemon running here (no admin socket in {s.runtime_dir}); --daemon checks one elsewhere")], {}
     checks, live = [], {}
     try:
-        secret = read_secret(args.secret_file)
+        secret = command_secret(args.secret_file)
     except CommandError as exc:
         return [Check("daemons", "FAIL", exc.message, "fix --secret-file / PDXFER_CLUSTER_SECRET_FILE")], {}
     for endpoint in endpoints:

@@ -30,7 +30,7 @@ import zmq
 
 from . import tables
 from ..core.config import default_runtime_dir
-from ..core.errors import BadMessage
+from ..core.errors import BadMessage, PdxferError
 from ..core.protocol import (
     AdminInfo,
     AdminPeers,
@@ -46,7 +46,7 @@ from ..core.protocol import (
     RoomState,
     SlotInfo,
 )
-from ..wire.seal import Seal, Unauthenticated
+from ..wire.seal import Seal, Unauthenticated, read_secret
 
 EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...
 EXIT_UNREACHABLE = 3  # no daemon could be chosen, or none answered
@@ -190,22 +190,18 @@ def choose_endpoint(daemon: str | None, name: str | None, directory: str) -> str
                        "(rooms, peers and slots: --all shows every one)", 2)
 
 
-def read_secret(path: str | None) -> bytes:
-    path = path or os.environ.get(SECRET_ENV, "")
-    if not path:
-        return b""
-    from ..daemon.server import read_secret as daemon_read_secret  # the daemon's rules, so both sides read it alike
-    from ..core.errors import PdxferError
-
+def command_secret(path: str | None) -> bytes:
+    """The secret a command signs its requests with: the file ``path`` (--secret-file),
+    else $PDXFER_CLUSTER_SECRET_FILE's, read as the daemon reads it; b"" for neither."""
     try:
-        return daemon_read_secret(path)
+        return read_secret(path or os.environ.get(SECRET_ENV, ""))
     except PdxferError as exc:
         raise CommandError(exc.message, 2) from None
 
 
 def connect(args) -> AdminClient:
     endpoint = choose_endpoint(args.daemon, args.name, runtime_dir(args.runtime_dir))
-    return AdminClient(endpoint, read_secret(args.secret_file), args.timeout).connect()
+    return AdminClient(endpoint, command_secret(args.secret_file), args.timeout).connect()
 
 
 def run(args, body: Callable[[Any, AdminClient], int]) -> int:
@@ -240,7 +236,7 @@ def run_all(args, ask: Callable[[AdminClient], Any], show: Callable[[Any, list[t
     then says so."""
     try:
         targets = every_daemon(args)
-        secret = read_secret(args.secret_file)
+        secret = command_secret(args.secret_file)
     except CommandError as exc:
         print(f"pdxfer {args.command}: {exc.message}", file=sys.stderr)
         return exc.exit_code

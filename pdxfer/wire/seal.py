@@ -9,7 +9,7 @@ import hmac
 
 import msgspec
 
-from ..core.errors import BadMessage, PdxferError
+from ..core.errors import BadMessage, PdxferError, Unsupported
 from ..core.protocol import UNDECODABLE, Envelope, ErrorCode
 from .batch import MAX_BATCH
 
@@ -20,6 +20,23 @@ class Unauthenticated(PdxferError):
 
 MAC_BYTES = 16
 HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"
+MIN_SECRET_BYTES = 16
+
+
+def read_secret(path: str) -> bytes:
+    """The cluster secret in the file at ``path`` (surrounding whitespace stripped), b""
+    for no path; Unsupported for a file that cannot be read or a secret too short.
+    Daemons and operator commands read it alike."""
+    if not path:
+        return b""
+    try:
+        with open(path, "rb") as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        raise Unsupported(f"cannot read the cluster secret file {path}: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise Unsupported(f"the cluster secret in {path} is {len(secret)} bytes; use at least {MIN_SECRET_BYTES}")
+    return secret
 
 
 class Seal:
