@@ -19,8 +19,8 @@ from collections import defaultdict
 import pytest
 
 from pdxfer.core.plan import Blocks
-from pdxfer.transport.pump import RETRY_BUDGET, Job, TransferPump
-from pdxfer.transport import Peer, Status, label
+from pdxfer.transport import Job, Peer, Status, label
+from pdxfer.transport.pump import RETRY_BUDGET, TransferPump
 
 WAIT = 5.0  # generous upper bound for the pump thread to act; never a speed assertion
 

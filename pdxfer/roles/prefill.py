@@ -63,8 +63,7 @@ from ..core.protocol import (
     compat_hash,
 )
 from .pools import compat
-from ..transport.pump import Job
-from ..transport import Peer, primary
+from ..transport import Job, Peer, primary
 from ..core.rooms import Event, Room
 from .base import RoomService
 from ..core.stamp import HEADER_BYTES, stamp_for

@@ -7,12 +7,20 @@ a worker thread. ``mooncake.MooncakeTransport`` is the real one;
 made to produce on demand (tests only). ``isolated.IsolatedTransport`` runs either in
 a process of its own (``host.py``), so that the engine's death is not the daemon's;
 ``build.py`` chooses.
+
+The roles hand the pump a ``Job`` per room and peer; it is defined here, so that they
+need not import the pump's thread.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ..core.plan import Blocks
 
 PROBE_BYTES = 64
 
@@ -64,3 +72,34 @@ class Transport(Protocol):
         Called only with nothing in flight."""
 
     def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One room's blocks to one peer: a role makes it, the pump writes it and calls
+    ``on_done`` once every block it submitted has settled."""
+
+    id: int
+    peer: Peer  # the decode daemon's transfer sessions
+    blocks: Blocks
+    on_done: Callable[[Job], None]  # runs on the event loop
+    deadline: float = 0.0  # monotonic time after which no block of it is submitted (its lease); 0: none
+    probe: int = 0  # the peer's probe address, for checking a suspect session
+    next: int = 0  # next block to submit
+    retry: deque = field(default_factory=deque)  # failed blocks to write again, first
+    retries: int = 0
+    in_flight: int = 0
+    error: str = ""
+    cancelled: bool = False
+    queued: bool = False  # still has blocks waiting in its peer's queue
+    abandoned: bool = False  # the pump failed; writes of this job may still land
+    settled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not self.cancelled
+
+    def finished(self) -> bool:
+        """Nothing of it in flight, and nothing more to submit (all done, failed or cancelled)."""
+        done = self.next >= len(self.blocks) and not self.retry
+        return self.in_flight == 0 and (done or bool(self.error) or self.cancelled)

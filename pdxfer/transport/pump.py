@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..host.cpu_yield import normal_policy
-from ..core.plan import Blocks
-from . import Peer, Status, Transport, label
+from . import Job, Peer, Status, Transport, label
 
 log = logging.getLogger("pdxfer.pump")
 
@@ -52,33 +51,6 @@ IDLE_POLL_MIN, IDLE_POLL_MAX = 0.00002, 0.0002
 BULK_POLL_MIN, BULK_POLL_MAX = 0.0001, 0.001
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (big blocks get longer)
-
-
-@dataclass(eq=False)
-class Job:
-    id: int
-    peer: Peer  # the decode daemon's transfer sessions
-    blocks: Blocks
-    on_done: Callable[["Job"], None]  # runs on the event loop
-    deadline: float = 0.0  # monotonic time after which no block of it is submitted (its lease); 0: none
-    probe: int = 0  # the peer's probe address, for checking a suspect session
-    next: int = 0  # next block to submit
-    retry: deque = field(default_factory=deque)  # failed blocks to write again, first
-    retries: int = 0
-    in_flight: int = 0
-    error: str = ""
-    cancelled: bool = False
-    queued: bool = False  # still has blocks waiting in its peer's queue
-    abandoned: bool = False  # the pump failed; writes of this job may still land
-    settled: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and not self.cancelled
-
-    def _finished(self) -> bool:
-        done = self.next >= len(self.blocks) and not self.retry
-        return self.in_flight == 0 and (done or bool(self.error) or self.cancelled)
 
 
 @dataclass(eq=False)
@@ -244,7 +216,7 @@ class TransferPump:
             if job.cancelled or job.error or not unsent:
                 peer.jobs.popleft()
                 job.queued = False
-                if job._finished():
+                if job.finished():
                     self._finished.append(job)
                 continue
             room = peer.window - len(peer.in_flight)
@@ -288,7 +260,7 @@ class TransferPump:
                 if peer.credit >= peer.window:  # additive increase: one block per window completed
                     peer.credit = 0
                     peer.window = min(self.window, peer.window + 1)
-            if not job.in_flight and not job.queued and job._finished():
+            if not job.in_flight and not job.queued and job.finished():
                 self._finished.append(job)
         if progressed:
             peer.progress_at = time.monotonic()
@@ -359,7 +331,7 @@ class TransferPump:
         for job in peer.jobs:
             job.error = job.error or reason
             job.queued = False
-            if job._finished():
+            if job.finished():
                 self._finished.append(job)
         peer.jobs.clear()
         peer.suspect = False  # later jobs try again
@@ -373,7 +345,7 @@ class TransferPump:
                 if job.cancelled:
                     job.queued = False
                     dropped = True
-                    if job._finished():
+                    if job.finished():
                         self._finished.append(job)
                 else:
                     keep.append(job)
