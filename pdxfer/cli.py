@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
 
-    # Operator commands: rooms, room, peers, peer, slots, top (pdxfer/inspection.py, top.py) and doctor
-    # (pdxfer/doctor.py); their flags live in pdxfer/inspection_args.py, the commands load when run.
+    # Operator commands: rooms, room, peers, peer, slots, top (ops/inspection.py, ops/top.py) and doctor
+    # (ops/doctor.py); their flags live in ops/commands.py, the commands load when run.
     from .ops.commands import add_commands as add_operator_commands
 
     add_operator_commands(sub)

@@ -1,6 +1,6 @@
 """Flags of the operator commands (rooms, room, peers, peer, slots, top, doctor).
-Standard library only, so ``pdxfer --help`` stays fast; pdxfer.ops.inspection, pdxfer.ops.top
-and pdxfer.ops.doctor are imported when a command runs."""
+Standard library only, so ``pdxfer --help`` stays fast; inspection.py, top.py and
+doctor.py are imported when a command runs."""
 
 from __future__ import annotations
 
@@ -69,22 +69,27 @@ def every_daemon_flag(parser: argparse.ArgumentParser) -> None:
                         help="every daemon in --runtime-dir, in one table with a DAEMON column (JSON: a \"daemon\" key on each entry)")
 
 
-def _command(sub, name: str, help: str, description: str, json_help: str, func) -> argparse.ArgumentParser:
+def _command(sub, name: str, help: str, description: str, json_help: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         name, help=help, description=description, epilog=TARGET_HELP, parents=[target_flags(json_help)],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=run)
     return parser
 
 
-def _lazy(module: str, function: str):
-    def call(args: argparse.Namespace) -> int:
-        import importlib
+def run(args: argparse.Namespace) -> int:
+    """Run the operator command ``args.command``. Its module is imported now, not when
+    the parser is built, so that ``pdxfer --help`` stays fast."""
+    if args.command == "top":
+        from .top import cmd_top as command
+    elif args.command == "doctor":
+        from .doctor import cmd_doctor as command
+    else:
+        from .inspection import cmd_peer, cmd_peers, cmd_room, cmd_rooms, cmd_slots
 
-        return getattr(importlib.import_module(f"pdxfer.ops.{module}"), function)(args)
-
-    return call
+        command = {"rooms": cmd_rooms, "room": cmd_room, "peers": cmd_peers, "peer": cmd_peer, "slots": cmd_slots}[args.command]
+    return command(args)
 
 
 def add_commands(sub) -> None:
@@ -92,7 +97,7 @@ def add_commands(sub) -> None:
         sub, "rooms", "list the rooms a daemon holds: state, age, peer, slot, bytes, error",
         "List the rooms a daemon holds, oldest first: id, role, state, age, time in its state, peer, aux slot and\n"
         "generation, bytes planned and moved, and the error of a failed room. Released rooms are gone.",
-        "print {\"rooms\": [...]}, every field of each room, instead of a table", _lazy("inspection", "cmd_rooms"),
+        "print {\"rooms\": [...]}, every field of each room, instead of a table",
     )
     rooms.add_argument("--state", choices=STATES, help="only rooms in this state")
     rooms.add_argument("--peer", metavar="P", help="only rooms whose peer address contains P (e.g. a host or a port)")
@@ -105,7 +110,7 @@ def add_commands(sub) -> None:
         "Show one room: state, peer, slot and generation, bytes, error, and each state it went through with\n"
         "the time after creation and the daemon's wall clock. With --fail, fail the room (its engine and its\n"
         "peer are told, its slot is quarantined until fenced); the daemon must run with --admin-writes.",
-        "print the room, every field and its history as [state, seconds after creation] pairs", _lazy("inspection", "cmd_room"),
+        "print the room, every field and its history as [state, seconds after creation] pairs",
     )
     room.add_argument("room", type=room_id, metavar="ID", help="the room id")
     room.add_argument("--fail", action="store_true", help="operator action: fail this live room (needs a daemon run with --admin-writes)")
@@ -117,7 +122,7 @@ def add_commands(sub) -> None:
         "the prefill welcomed it, then alive); on a prefill daemon, each decode daemon that said hello, by\n"
         "its transfer session. RTT is measured by the decode side's heartbeats; clock skew is the peer's\n"
         "wall clock minus ours (one-way estimate on the prefill side).",
-        "print {\"peers\": [...]}, every field of each peer", _lazy("inspection", "cmd_peers"),
+        "print {\"peers\": [...]}, every field of each peer",
     )
     every_daemon_flag(peers)
 
@@ -130,7 +135,7 @@ def add_commands(sub) -> None:
         "transfer session it has, so nothing any prefill sent through the old ones can land, fences every\n"
         "fence-pending room (their engines may reuse the pages), and tells every prefill its new sessions.\n"
         "Writes in flight from healthy prefills fail too: their rooms fail and their engines may retry.",
-        "print {\"peers\": [...]} of the matching peers", _lazy("inspection", "cmd_peer"),
+        "print {\"peers\": [...]} of the matching peers",
     )
     peer.add_argument("peer", metavar="P", help="part of the peer's address or name, e.g. 10.0.0.5:8998")
     peer.add_argument("--drain", action="store_true", help="operator action: no new rooms with the matching peers (needs --admin-writes)")
@@ -142,7 +147,7 @@ def add_commands(sub) -> None:
         "written with a verified record; quarantined until its failed room is fenced), owner room,\n"
         "generation, time in that state, and for quarantined slots the time left to the fence deadline\n"
         "('pending' on a decode daemon: held until the prefill confirms, restarts, or `pdxfer peer P --cut`).",
-        "print {\"slots\": [...]}, every slot (or those in --state)", _lazy("inspection", "cmd_slots"),
+        "print {\"slots\": [...]}, every slot (or those in --state)",
     )
     slots.add_argument("--state", choices=SLOT_STATES, help="only slots in this state")
     slots.add_argument("--free", action="store_true", help="list free slots too (the table omits them by default; --json never does)")
@@ -154,7 +159,7 @@ def add_commands(sub) -> None:
         "throughput from the daemon's counters between refreshes, totals, transfer queue depths, failures by\n"
         "reason, peers, and the oldest live rooms. The screen fits the terminal (tables show the rows that fit\n"
         "and count the rest). q or Ctrl-C quits.",
-        "print one JSON object per refresh (info, rates, peers, live rooms) instead of a screen", _lazy("top", "cmd_top"),
+        "print one JSON object per refresh (info, rates, peers, live rooms) instead of a screen",
     )
     top.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS", help="seconds between refreshes (default: 1)")
     top.add_argument("--iterations", type=positive_int, default=0, metavar="N", help="stop after N refreshes (default: run until Ctrl-C)")
@@ -179,7 +184,7 @@ def add_commands(sub) -> None:
     doctor.add_argument("--rdma-devices", metavar="LIST", help="rdma: the comma-separated device filter the daemon will use (default: $PDXFER_RDMA_DEVICES)")
     doctor.add_argument("--pool-bytes", type=_size, default=1 << 30, metavar="SIZE",
                         help="bytes of KV pool and aux buffer the engines on this host put in /dev/shm, e.g. 8GiB (default: 1GiB)")
-    doctor.set_defaults(func=_lazy("doctor", "cmd_doctor"))
+    doctor.set_defaults(func=run)
 
 
 def _size(text: str) -> int:
