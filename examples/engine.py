@@ -10,8 +10,7 @@ import sys
 
 import numpy as np
 
-from pdxfer.client import Client
-from pdxfer.core.protocol import KVLayout, Layout
+from pdxfer import Client, KVLayout, Layout
 
 layout = KVLayout(layout=Layout.MHA, num_layers=32, num_pages=64, page_size=16,
                   token_bytes=8 * 128 * 2, dtype="bfloat16")   # kv heads x head dim x bytes

@@ -198,7 +198,7 @@ def readme_block(language: str, containing: str) -> str:
 
 def test_the_readme_shows_the_engine_example_file_in_full():
     with open(os.path.join(ROOT, "examples", "engine.py")) as fh:
-        assert readme_block("python", "from pdxfer.client import Client") == fh.read()
+        assert readme_block("python", "from pdxfer import Client") == fh.read()
 
 
 def test_the_readme_engine_example_runs_as_written(runtime_dir):
