@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml requirements/pins.txt | system-deps
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Regenerate proto/schema.json from pdxfer/protocol.py (a test fails when they drift).
+# Regenerate proto/schema.json from pdxfer/core/protocol.py (a test fails when they drift).
 schema: deps
 	$(PY) -m pdxfer.core.protocol > proto/schema.json
 

@@ -515,7 +515,7 @@ class Client(_Requests):
 
 class AsyncClient(_Requests):
     """asyncio engine client; many calls may be in flight at once. Its socket is
-    driven by the event loop (see wire.Dealer): no task or future per message."""
+    driven by the event loop (see wire.sockets.Dealer): no task or future per message."""
 
     _sock: Dealer | None = None
 

@@ -224,7 +224,7 @@ def test_decoders_reject_malformed_bytes(codec, data):
 
 def test_schema_has_not_drifted():
     assert SCHEMA_PATH.read_text() == p.schema_text(), (
-        "proto/schema.json is out of date with pdxfer/protocol.py: run `make schema` and commit the result"
+        "proto/schema.json is out of date with pdxfer/core/protocol.py: run `make schema` and commit the result"
     )
 
 

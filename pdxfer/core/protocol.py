@@ -4,7 +4,7 @@ Two conversations use this module:
 
 * engine <-> daemon (the engine's ZMQ DEALER to the daemon's ROUTER), and
 * daemon <-> daemon (the bootstrap channel: a decode daemon's TCP connection to a
-  prefill daemon, framed by peer_channel).
+  prefill daemon, framed by wire/bootstrap.py).
 
 Every message is one MessagePack map whose ``kind`` field names its struct. Page
 index lists travel as ``bytes`` holding little-endian int32 values, so a request of

@@ -2,7 +2,7 @@
 and declare Success only when the aux record's stamp (and, with --verify-kv, the KV
 digest) verifies against what this side expects (A1, S3).
 
-One link (a peer_channel.PeerLink, opened by the daemon) per prefill bootstrap address. The
+One link (a wire.bootstrap.PeerLink, opened by the daemon) per prefill bootstrap address. The
 first message on a link, and the first after every re-registration, is a
 PeerHello describing this side's pools. Every link heartbeats; a prefill that stops
 answering, drops its connection, or answers under a new incarnation is declared dead
