@@ -27,7 +27,6 @@ import numpy as np
 import zmq
 
 from .core import errors
-from .host.memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
 from .core.plan import layout_regions, pages_to_bytes, pool_bytes, region_views
 from .core.protocol import (
     PROTOCOL_VERSION,
@@ -53,6 +52,7 @@ from .core.protocol import (
     Stats,
 )
 from .core.stamp import HEADER_BYTES, unpack_header, verify
+from .host.memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
 from .wire.sockets import CLOSE_LINGER, Dealer
 
 MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)

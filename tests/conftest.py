@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdxfer.host import memory
 from pdxfer.client import Client
-from pdxfer.tools.launch import start_daemon, stop_all
 from pdxfer.core.protocol import KVLayout, Layout
+from pdxfer.host import memory
+from pdxfer.tools.launch import start_daemon, stop_all
 
 
 def _transfer_engine_available() -> str:

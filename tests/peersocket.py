@@ -12,9 +12,9 @@ import select
 import socket
 import time
 
-from pdxfer.wire.bootstrap import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
 from pdxfer.core.plan import compat_of
 from pdxfer.core.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
+from pdxfer.wire.bootstrap import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
 from pdxfer.wire.seal import Seal
 
 NO_LIMIT = 1 << 31

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdxfer.client import Client, Slot
-from pdxfer.ops.inspection import daemon_counters
 from pdxfer.core.protocol import KVLayout, RoomState, RoomStatus
+from pdxfer.ops.inspection import daemon_counters
 
 from .conftest import small_layout
 

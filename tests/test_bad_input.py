@@ -36,15 +36,15 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pdxfer.core import protocol as p
 from pdxfer.client import Client
-from pdxfer.roles.decode import bootstrap_endpoint
-from pdxfer.tools.launch import start_daemon, stop_all
-from pdxfer.wire.bootstrap import encode
+from pdxfer.core import protocol as p
 from pdxfer.core.plan import compat_of, pages_to_bytes
 from pdxfer.core.protocol import RoomState
 from pdxfer.roles.base import loose_req
+from pdxfer.roles.decode import bootstrap_endpoint
+from pdxfer.tools.launch import start_daemon, stop_all
 from pdxfer.wire.batch import MAX_BATCH
+from pdxfer.wire.bootstrap import encode
 from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake, small_layout

@@ -12,15 +12,15 @@ import sys
 import numpy as np
 import pytest
 
-from pdxfer.tools.bench.plan import PLANNING_TIMINGS, SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.cli import build_parser
 from pdxfer.core import config
+from pdxfer.core.plan import layout_regions, pool_bytes
 from pdxfer.host import cpu_yield
+from pdxfer.host.memory import KV_POOL_PREFIX
 from pdxfer.tools.bench.main import by_repeat, memory_shortfall, planning_figures
+from pdxfer.tools.bench.plan import PLANNING_TIMINGS, SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
 from pdxfer.tools.bench.report import format_report, targets
 from pdxfer.tools.bench.run import RunResult
-from pdxfer.cli import build_parser
-from pdxfer.host.memory import KV_POOL_PREFIX
-from pdxfer.core.plan import layout_regions, pool_bytes
 
 from .conftest import needs_mooncake, orphan_pool
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from pdxfer.host import cpu_yield
 from pdxfer.client import Client
+from pdxfer.host import cpu_yield
 from pdxfer.host.cpu_yield import CALM_FIRST, CALM_MAX, Yielding
 from pdxfer.transport.pump import TransferPump
 

@@ -14,13 +14,13 @@ import pytest
 import zmq
 
 from pdxfer import client as client_module
-from pdxfer.core import config, errors
-from pdxfer.host import memory
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
+from pdxfer.core import config, errors
+from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
 from pdxfer.daemon.server import Daemon
+from pdxfer.host import memory
 from pdxfer.roles.prefill import PrefillService
 from pdxfer.tools.launch import LaunchError, start_daemon
-from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
 from pdxfer.wire.batch import MAX_BATCH
 
 from .conftest import needs_mooncake, orphan_pool, small_layout

@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from pdxfer.core import config
-from pdxfer.tools import sim
 from pdxfer.core.plan import pool_bytes
 from pdxfer.core.protocol import KVLayout, Layout
 from pdxfer.core.stamp import HEADER_BYTES
+from pdxfer.tools import sim
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

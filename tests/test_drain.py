@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.core import errors
 from pdxfer.client import Client
+from pdxfer.core import errors
 from pdxfer.core.protocol import RoomState
 
 from .conftest import needs_mooncake

@@ -15,10 +15,10 @@ import re
 import numpy as np
 import pytest
 
-from pdxfer.core import errors
-from pdxfer.tools.chaos import ChaosSpec, run_chaos, settled_stats
 from pdxfer.client import Client
+from pdxfer.core import errors
 from pdxfer.core.protocol import KVLayout, Layout
+from pdxfer.tools.chaos import ChaosSpec, run_chaos, settled_stats
 
 from .conftest import needs_mooncake, settle, small_layout
 

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from pdxfer.ops.inspection import AdminClient
 from pdxfer.core.protocol import AdminPeers, RoomState
+from pdxfer.ops.inspection import AdminClient
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import HB_BOUND, HB_FLAGS, SLACK, Freezer, engine, reuse_pages, send_room, start_room, statuses, wait_until

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from pdxfer.tools.launch import start_daemon
 from pdxfer.core.protocol import ErrorCode, RoomState
+from pdxfer.tools.launch import start_daemon
 
 from .conftest import needs_mooncake
 from .roomkit import engine, free_port, wait_until

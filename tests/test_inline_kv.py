@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from pdxfer.core import paths
-from pdxfer.ops.inspection import daemon_counters
-from pdxfer.host.memory import SharedMemory
 from pdxfer.core.plan import pages_to_bytes, pool_bytes, region_views
-from pdxfer.roles.pools import KVPool
 from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
 from pdxfer.core.stamp import stamp_for
+from pdxfer.host.memory import SharedMemory
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.roles.pools import KVPool
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import SLACK, engine, free_port, start_room

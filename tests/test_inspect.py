@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pdxfer.ops import inspection as inspect_mod
-from pdxfer.host import memory
-from pdxfer.ops import tables
 from pdxfer.client import Client
-from pdxfer.ops.inspection import daemon_counters
-from pdxfer.tools.launch import DaemonProcess, start_daemon
 from pdxfer.core.protocol import RoomState
 from pdxfer.core.stamp import HEADER_BYTES
+from pdxfer.host import memory
+from pdxfer.ops import inspection as inspect_mod
+from pdxfer.ops import tables
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.tools.launch import DaemonProcess, start_daemon
 
 from .conftest import ENGINE_PATH, needs_mooncake, orphan_pool, small_layout
 from .roomkit import engine, free_port, wait_until

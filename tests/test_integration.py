@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pdxfer.core import errors
-from pdxfer.tools.launch import read_events, start_sim
 from pdxfer.core.protocol import Layout, RoomState
+from pdxfer.tools.launch import read_events, start_sim
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import wait_until

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer.client import Client
 from pdxfer.core.errors import UnknownRoom
-from pdxfer.daemon.metrics import BUCKETS, Histogram
 from pdxfer.core.protocol import RoomState
+from pdxfer.daemon.metrics import BUCKETS, Histogram
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import engine, free_port, wait_until

@@ -24,9 +24,9 @@ import time
 import pytest
 
 from pdxfer.core import errors
+from pdxfer.core.protocol import RoomState
 from pdxfer.ops.inspection import daemon_counters
 from pdxfer.tools.launch import stop_all
-from pdxfer.core.protocol import RoomState
 
 from . import netns
 from .conftest import ENGINE_PATH, needs_mooncake

@@ -29,8 +29,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdxfer import logs
-from pdxfer.ops import top
 from pdxfer.client import Client
+from pdxfer.ops import top
 from pdxfer.tools.launch import start_daemon, stop_all
 
 from .conftest import ENGINE_PATH, needs_mooncake, small_layout

@@ -17,9 +17,9 @@ import time
 import pytest
 
 from pdxfer.core import protocol as p
+from pdxfer.core.protocol import RoomState
 from pdxfer.ops.inspection import AdminClient, CommandError
 from pdxfer.wire.bootstrap import PREAMBLE, encode, split_endpoint
-from pdxfer.core.protocol import RoomState
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdxfer.core.errors import BadMessage
-from pdxfer.wire import bootstrap
-from pdxfer.wire.bootstrap import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
 from pdxfer.core.protocol import ErrorCode
+from pdxfer.wire import bootstrap
 from pdxfer.wire.batch import SEND_AT
+from pdxfer.wire.bootstrap import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
 from pdxfer.wire.seal import Seal
 
 from .roomkit import arrived, free_port

@@ -25,9 +25,8 @@ import time
 
 import pytest
 
-from pdxfer.core import errors
 from pdxfer.client import AsyncClient, Client
-from pdxfer.ops.inspection import daemon_counters
+from pdxfer.core import errors
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     Codec,
@@ -39,6 +38,7 @@ from pdxfer.core.protocol import (
     RoomRequest,
     RoomState,
 )
+from pdxfer.ops.inspection import daemon_counters
 from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake, small_layout

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
+from pdxfer.client import AuxBuffer, KVPool
 from pdxfer.core import errors
 from pdxfer.host import memory
-from pdxfer.client import AuxBuffer, KVPool
 
 from .conftest import small_layout
 

@@ -11,8 +11,8 @@ import typing
 import msgspec
 import pytest
 
-from pdxfer.core import errors, protocol as p
 from pdxfer.client import raise_for
+from pdxfer.core import errors, protocol as p
 
 SCHEMA_PATH = pathlib.Path(__file__).resolve().parent.parent / "proto" / "schema.json"
 

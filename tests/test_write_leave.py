@@ -18,8 +18,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdxfer.roles.decode import OFFSET_SAMPLES, PrefillLink
-from pdxfer.ops.inspection import daemon_counters
 from pdxfer.core.plan import pages_to_bytes
 from pdxfer.core.protocol import (
     Codec,
@@ -33,6 +31,8 @@ from pdxfer.core.protocol import (
     RoomState,
     TransferStarted,
 )
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.roles.decode import OFFSET_SAMPLES, PrefillLink
 from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake

@@ -17,11 +17,11 @@ import fcntl
 import os
 import socket
 
-from ..ops import hostchecks
 from ..core.config import Config
 from ..core.errors import Unsupported
-from ..ops.hostchecks import Check
 from ..core.protocol import Role
+from ..ops import hostchecks
+from ..ops.hostchecks import Check
 
 
 def settings(cfg: Config) -> hostchecks.Settings:

@@ -22,23 +22,23 @@ from typing import Awaitable, Callable
 
 import zmq
 
-from . import admin, preflight
-from ..host import cpu_yield, memory
 from ..core import paths
 from ..core.config import Config
+from ..core.errors import BadMessage, PdxferError, Unsupported
+from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
+from ..host import cpu_yield, memory
 from ..roles.decode import DecodeService
 from ..roles.prefill import PrefillService
-from ..core.errors import BadMessage, PdxferError, Unsupported
+from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
+from ..transport.pump import TransferPump
+from ..wire.batch import MAX_BATCH
+from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
+from ..wire.seal import Seal, Unauthenticated, read_secret
+from ..wire.sockets import Router
+from . import admin, preflight
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
-from ..transport.pump import TransferPump
-from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
-from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
-from ..wire.batch import MAX_BATCH
-from ..wire.seal import Seal, Unauthenticated, read_secret
-from ..wire.sockets import Router
 
 log = logging.getLogger("pdxfer.daemon")
 

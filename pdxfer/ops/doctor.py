@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from ..transport.mooncake import installed_release
 from .hostchecks import (
     Check,
     Settings,
@@ -31,7 +32,6 @@ from .hostchecks import (
     npu_facts,
     rdma_devices,
 )
-from ..transport.mooncake import installed_release
 
 DESCRIPTION = """\
 Check this host for what a pdxfer daemon needs, and say how to fix each failure:

@@ -28,7 +28,6 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from . import tables
 from ..core.config import default_runtime_dir
 from ..core.errors import BadMessage, PdxferError
 from ..core.protocol import (
@@ -47,6 +46,7 @@ from ..core.protocol import (
     SlotInfo,
 )
 from ..wire.seal import Seal, Unauthenticated, read_secret
+from . import tables
 
 EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...
 EXIT_UNREACHABLE = 3  # no daemon could be chosen, or none answered

@@ -19,9 +19,9 @@ import textwrap
 import time
 from typing import NamedTuple
 
+from ..core.protocol import AdminInfo, AdminPeers, AdminRooms, InfoReply, PeerInfo, RoomInfo
 from . import tables
 from .inspection import AdminClient, peers_table, plain, rooms_table, run
-from ..core.protocol import AdminInfo, AdminPeers, AdminRooms, InfoReply, PeerInfo, RoomInfo
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 ENTER, LEAVE = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l"  # the alternate screen, cursor hidden; and back

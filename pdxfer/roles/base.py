@@ -17,11 +17,9 @@ from typing import Awaitable, Callable
 import msgspec
 
 from ..core import errors, paths
-from ..host import memory
 from ..core.config import Config
 from ..core.errors import PdxferError
 from ..core.plan import check_memory_version
-from .pools import AuxBuffer, KVPool
 from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
@@ -53,7 +51,9 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room, RoomTable, Timeouts
 from ..core.slots import SlotState
+from ..host import memory
 from ..transport import Peer
+from .pools import AuxBuffer, KVPool
 
 log = logging.getLogger("pdxfer.service")
 

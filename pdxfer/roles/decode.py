@@ -45,7 +45,6 @@ import numpy as np
 from ..core import errors, paths
 from ..core.errors import IllegalTransition, PdxferError
 from ..core.plan import check_pages, pages_from_bytes
-from .pools import compat
 from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
@@ -71,10 +70,11 @@ from ..core.protocol import (
     compat_hash,
 )
 from ..core.rooms import Event, Room
-from .base import RoomService
 from ..core.slots import SlotState
 from ..core.stamp import HEADER_BYTES, Stamp, verify
 from ..transport import primary
+from .base import RoomService
+from .pools import compat
 
 log = logging.getLogger("pdxfer.decode")
 

@@ -62,11 +62,11 @@ from ..core.protocol import (
     compat_diff,
     compat_hash,
 )
-from .pools import compat
-from ..transport import Job, Peer, primary
 from ..core.rooms import Event, Room
-from .base import RoomService
 from ..core.stamp import HEADER_BYTES, stamp_for
+from ..transport import Job, Peer, primary
+from .base import RoomService
+from .pools import compat
 
 log = logging.getLogger("pdxfer.prefill")
 

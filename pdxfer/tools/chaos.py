@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import errors
 from ..client import AsyncClient, Slot
+from ..core import errors
 from ..core.plan import pages_for_tokens
 from ..core.protocol import KVLayout, Layout, RoomState
 from .sim import AUX_RECORD_BYTES, PageAllocator, aux_record, fill_pages, pages_match

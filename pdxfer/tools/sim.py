@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import errors
-from ..loop import run_uvloop
 from ..client import AsyncClient, Slot
+from ..core import errors
 from ..core.plan import pages_for_tokens
 from ..core.protocol import KVLayout, Layout, RoomState
+from ..loop import run_uvloop
 
 AUX_RECORD_BYTES = 64
 FAULTS = ("small", "stale", "out_of_range")

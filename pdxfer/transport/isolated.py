@@ -27,8 +27,8 @@ import msgspec
 import numpy as np
 
 from ..core.config import Config
-from ..host.cpu_yield import normal_policy
 from ..core.errors import Unsupported
+from ..host.cpu_yield import normal_policy
 from ..host.memory import SharedMemory
 from . import Peer, Status
 from .host import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Reset, Settled, Start, Submit, Unregister

@@ -27,9 +27,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..host.cpu_yield import normal_policy
 from ..core.errors import Unsupported
 from ..core.paths import ENGINE_PROTOCOL, stripes
+from ..host.cpu_yield import normal_policy
 from . import PROBE_BYTES, Peer, Status, label
 
 log = logging.getLogger("pdxfer.transport")

@@ -20,15 +20,15 @@ import tempfile
 import time
 
 from ...core import config
+from ...core.plan import pool_bytes
 from ...host import cpu_yield
+from ...host.memory import room_for_pools, sweep_orphans
+from ...ops.tables import size
+from ..demo import ProgressBar
 from .plan import Plan, Workload, block_counts, make_plan, time_planning
 from .raw import APIS as RAW_APIS
 from .report import FIGURES, format_report, targets
 from .run import RUNNERS, RunOptions, RunResult
-from ..demo import ProgressBar
-from ...host.memory import room_for_pools, sweep_orphans
-from ...core.plan import pool_bytes
-from ...ops.tables import size
 
 WIRE_WORKLOADS = ("large", "medium", "small")
 BANDWIDTH_WORKLOADS = ("large", "medium")  # bound by moving bytes, not by messages

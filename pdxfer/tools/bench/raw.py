@@ -36,10 +36,10 @@ from collections import deque
 
 import numpy as np
 
-from .plan import Plan
 from ...client import KVPool
 from ...core.paths import stripes
 from ..sim import Reporter, corrupt_one_byte, fill_pages, pages_match
+from .plan import Plan
 
 APIS = ("submit", "submit_spin", "batch_async", "batch_sync")
 POLL_MIN, POLL_MAX = 0.00005, 0.001  # backoff between status polls when nothing completed

@@ -25,12 +25,12 @@ from typing import Callable
 
 import numpy as np
 
-from .plan import Plan, block_counts
-from .raw import proc_sample
 from ...core.config import TCP_ENGINES, TCP_LANES
+from ...core.paths import engine_env
 from ...ops.inspection import daemon_counters
 from ..launch import LaunchError, read_events, sim_argv, start_daemon, stop_all
-from ...core.paths import engine_env
+from .plan import Plan, block_counts
+from .raw import proc_sample
 
 Progress = Callable[[int, int, int], None]  # rooms done, bytes moved, mismatches: within the run
 
