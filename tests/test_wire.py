@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import zmq
 
-from pdxfer.core.errors import BadMessage
+from pdxfer.core.errors import BadMessage, Unauthenticated
 from pdxfer.wire.batch import MAX_BATCH, SEND_AT
-from pdxfer.wire.seal import Seal, Unauthenticated
+from pdxfer.wire.seal import Seal
 from pdxfer.wire.sockets import Dealer, Router
 
 from .roomkit import arrived

@@ -113,6 +113,13 @@ class Unsupported(PdxferError):
     code = ErrorCode.UNSUPPORTED
 
 
+class Unauthenticated(PdxferError):
+    """A message not signed with the receiver's cluster secret, or signed where the
+    receiver has none (wire.seal.Seal says which side lacks it)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 class Busy(PdxferError):
     """Out of rooms, slots or queue space: retry after ``retry_after_ms``."""
 

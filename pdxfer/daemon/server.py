@@ -24,7 +24,7 @@ import zmq
 
 from ..core import paths
 from ..core.config import Config
-from ..core.errors import BadMessage, PdxferError, Unsupported
+from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
 from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
 from ..host import cpu_yield, memory
 from ..roles.decode import DecodeService
@@ -33,7 +33,7 @@ from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from ..transport.pump import TransferPump
 from ..wire.batch import MAX_BATCH
 from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
-from ..wire.seal import Seal, Unauthenticated, read_secret
+from ..wire.seal import Seal, read_secret
 from ..wire.sockets import Router
 from . import admin, preflight
 from .http import HttpEndpoint

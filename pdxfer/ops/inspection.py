@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from ..core.config import default_runtime_dir
-from ..core.errors import BadMessage, PdxferError
+from ..core.errors import BadMessage, PdxferError, Unauthenticated
 from ..core.protocol import (
     AdminInfo,
     AdminPeers,
@@ -45,7 +45,7 @@ from ..core.protocol import (
     RoomState,
     SlotInfo,
 )
-from ..wire.seal import Seal, Unauthenticated, read_secret
+from ..wire.seal import Seal, read_secret
 from . import tables
 
 EXIT_REFUSED = 1  # the daemon answered with an error: unknown room, read-only admin API, ...

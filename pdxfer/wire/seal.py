@@ -9,14 +9,9 @@ import hmac
 
 import msgspec
 
-from ..core.errors import BadMessage, PdxferError, Unsupported
-from ..core.protocol import UNDECODABLE, Envelope, ErrorCode
+from ..core.errors import BadMessage, Unauthenticated, Unsupported
+from ..core.protocol import UNDECODABLE, Envelope
 from .batch import MAX_BATCH
-
-
-class Unauthenticated(PdxferError):
-    code = ErrorCode.UNAUTHENTICATED
-
 
 MAC_BYTES = 16
 HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"
