@@ -30,7 +30,7 @@ from .errors import BadMessage, PdxferError, Unsupported
 from .http import HttpEndpoint
 from .metrics import Metrics
 from .registry import DaemonRecord, Registry
-from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
+from .protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from .pump import TransferPump
 from .transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from .peer_channel import PeerLink, PeerServer, Prove, RefusalLog
@@ -501,7 +501,7 @@ class Daemon:
         self.service.count_failure(f"{code.value}:peer-connection")
         if code is not ErrorCode.UNAUTHENTICATED:
             return []
-        refused = PeerRefused(code=code, reason="the connection did not prove this cluster's secret (--cluster-secret-file)")
+        refused = PeerRefused(code=code, reason=why)
         return self.seal.seal([self.codec.encode(refused)])
 
     def _open_link(self, endpoint: str) -> None:

@@ -60,6 +60,10 @@ REFUSAL_LOG_SECONDS = 10.0  # refusals of one kind are logged once per this, wit
 CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not the kernel's ~2 min
 HANDSHAKE_SECONDS = 10.0  # a connection whose challenge is not answered (or sent) by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
+# Why a handshake answer is refused, saying which side lacks the secret (a secret set
+# on one side only is the usual cause); the connecting side is told so.
+NO_PROOF = "no proof of a cluster secret: the receiver has a cluster secret (--cluster-secret-file), the sender has none"
+PROOF_OF_ANOTHER_SECRET = "a proof of another secret: the receiver's cluster secret (--cluster-secret-file) differs from the sender's"
 
 Prove = Callable[[bytes, bytes], bytes]  # (challenge, identity) -> proof: wire.Seal.prove
 Refused = Callable[[ErrorCode, str], list[bytes]]  # (code, why) -> a last message for the refused connection, or []
@@ -269,7 +273,8 @@ class PeerServer:
             return
         identity, proof = frames
         if self.prove is not None and not hmac.compare_digest(proof, self.prove(conn.nonce, identity)):
-            conn.refuse(f"it named itself {identity[:64]!r} without proof of this cluster's secret", ErrorCode.UNAUTHENTICATED)
+            why = PROOF_OF_ANOTHER_SECRET if proof else NO_PROOF
+            conn.refuse(f"the connection naming itself {identity[:64].decode(errors='replace')!r} gave {why}", ErrorCode.UNAUTHENTICATED)
             return
         conn.identity = identity
         older = self._by_identity.get(conn.identity)

@@ -149,19 +149,20 @@ def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path
     refusal(out)
 
 
-NOT_SIGNED = "message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none"
-OTHER_SECRET = "message not signed with the receiver's cluster secret (--cluster-secret-file): the sender has another one"
-
-
 @pytest.mark.parametrize("secrets,reason,logged", [
-    (("a", ""), NOT_SIGNED, NOT_SIGNED),
-    (("", "a"), NOT_SIGNED, "message signed with a cluster secret (--cluster-secret-file), and the receiver has none"),
-    (("a", "b"), OTHER_SECRET, OTHER_SECRET),
+    (("a", ""), "gave no proof of a cluster secret: the receiver has a cluster secret (--cluster-secret-file), the sender has none",
+     "gave no proof of a cluster secret: the receiver has a cluster secret (--cluster-secret-file), the sender has none"),
+    (("", "a"), "message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none",
+     "message signed with a cluster secret (--cluster-secret-file), and the receiver has none"),
+    (("a", "b"), "message not signed with the receiver's cluster secret (--cluster-secret-file): the sender has another one",
+     "gave a proof of another secret: the receiver's cluster secret (--cluster-secret-file) differs from the sender's"),
 ], ids=["prefill-only", "decode-only", "different"])
 def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daemons, tmp_path, secrets, reason, logged):
     """Either way round (or with two secrets), the decode's room fails within a moment,
     not at the 30 s bootstrap timeout, saying which side lacks the secret, and the
-    prefill's log names the decode daemon it refused and why."""
+    prefill's log names the decode daemon it refused (as far as it may know it: with a
+    secret it reads nothing a connection says before its proof, so the incarnation the
+    connection claims; without one, the decode daemon's hello) and why."""
     flags = []
     for side, letter in zip(("prefill", "decode"), secrets):
         (tmp_path / side).write_text(letter * 20 + "\n")
@@ -178,9 +179,13 @@ def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daem
         d.close()
     assert status.state is RoomState.FAILED and status.code is ErrorCode.UNAUTHENTICATED and status.fenced, status
     assert reason in status.reason and took < 5, (status.reason, took)
-    refused = wait_until(lambda: [line for line in open(prefill.log_path) if "refused decode daemon" in line and decode.ready["session"] in line],
+    incarnation = decode.ready["incarnation"]
+    refused = wait_until(lambda: [line for line in open(prefill.log_path) if logged in line and incarnation in line],
                          10, "the prefill to log the refusal")
-    assert "/decode'" in refused[0] and decode.ready["incarnation"] in refused[0] and logged in refused[0], refused
+    if secrets[0]:  # refused at the handshake: the connection's address and claimed identity
+        assert "closing a connection from ('127.0.0.1'" in refused[0], refused
+    else:  # refused at its first message: the decode daemon as its hello names it
+        assert "refused decode daemon" in refused[0] and "/decode'" in refused[0] and decode.ready["session"] in refused[0], refused
 
 
 # --- the README's engine example

@@ -54,7 +54,7 @@ def test_writes_spread_over_the_engines_of_both_daemons(daemons, prefill_engines
     assert dec["outcome"] == {"success": 64} and pre["outcome"] == {"success": 64}, (pre["outcome"], dec["outcome"])
     # Every decode engine received: each has a data port of its own with lanes accepted on it.
     handshake = {int(s.rsplit(":", 1)[1]) for s in decode.ready["sessions"]}
-    receiving = accepting_ports(decode.pid) - handshake
+    receiving = accepting_ports(decode.ready["engine_pid"]) - handshake
     assert len(receiving) == decode_engines, (receiving, handshake)
 
 

@@ -101,7 +101,7 @@ def test_a_peer_without_the_secret_cannot_take_over_a_decode_daemons_identity(da
         assert failures.get("bad_message:peer-connection") == 1, failures
         assert pc.stats().peers == 1
         # Each refusal is logged with the impostor's address; a kind's first is logged at once.
-        for sock, why in ((claim, "its first message must be its identity"), (forged.sock, "without proof of this cluster's secret")):
+        for sock, why in ((claim, "its first message must be its identity"), (forged.sock, "gave a proof of another secret")):
             assert logged(prefill, f"closing a connection from ('127.0.0.1', {sock.getsockname()[1]})", why), why
     finally:
         for sock in impostors:
@@ -124,7 +124,7 @@ def test_an_admin_request_without_the_secret_is_refused_logged_and_counted(daemo
             assert isinstance(signed.call(p.AdminPeers), p.PeersReply)
         assert dc.stats().failures.get("unauthenticated:admin-message") == 2, dc.stats().failures
         # The first is logged at once; the second, in the same interval, is counted towards the next report.
-        wait_until(lambda: logged(decode, "refused an admin request", "not signed with this cluster's secret"), 5, "the refusal to be logged")
+        wait_until(lambda: logged(decode, "refused an admin request", "message not signed: the receiver has a cluster secret (--cluster-secret-file), the sender has none"), 5, "the refusal to be logged")
     finally:
         dc.close()
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdxfer.errors import BadMessage
 from pdxfer import peer_channel
-from pdxfer.peer_channel import MAX_FRAMES, NONCE_BYTES, PREAMBLE, Deframer, PeerLink, PeerServer, encode, split_endpoint
+from pdxfer.peer_channel import MAX_FRAMES, NO_PROOF, NONCE_BYTES, PREAMBLE, PROOF_OF_ANOTHER_SECRET, Deframer, PeerLink, PeerServer, encode, split_endpoint
 from pdxfer.protocol import ErrorCode
 from pdxfer.wire import SEND_AT, Seal
 
@@ -272,11 +272,11 @@ async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connecte
     reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
     writer.write(PREAMBLE + encode([b"link-1"]))
     await closed(reader)
-    for proof in (lambda nonce: b"", lambda nonce: Seal("", OTHER_SECRET).prove(nonce, b"link-1")):
+    for proof, why in ((lambda nonce: b"", NO_PROOF), (lambda nonce: Seal("", OTHER_SECRET).prove(nonce, b"link-1"), PROOF_OF_ANOTHER_SECRET)):
         reader, writer, nonce = await challenged(server.bound)
         writer.write(encode([b"link-1", proof(nonce)]) + encode([b"said after the handshake"]))
         last = Deframer(1 << 20).feed(await closed(reader))
-        assert last == [[b"refused: it named itself b'link-1' without proof of this cluster's secret"]], last
+        assert last == [[f"refused: the connection naming itself 'link-1' gave {why}".encode()]], last
     assert refused == [ErrorCode.BAD_MESSAGE, ErrorCode.UNAUTHENTICATED, ErrorCode.UNAUTHENTICATED]
     # The peer that proved the identity holds it, hears what is posted to it, and was never disconnected.
     assert server._by_identity[b"link-1"] is held and events == ["connected"]

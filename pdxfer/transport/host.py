@@ -31,7 +31,6 @@ import select
 import signal
 import socket
 import sys
-import time
 from collections import deque
 
 import msgspec
