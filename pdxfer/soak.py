@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -76,9 +75,9 @@ class Soak:
         return self._freeze(self.rng.uniform(0.5, 3.5), "")  # some freezes pass the heartbeat bound: deaths
 
     def _freeze(self, pause: float, note: str) -> str:
-        os.kill(self.prefill.pid, signal.SIGSTOP)
+        self.prefill.freeze(True)
         time.sleep(pause)
-        os.kill(self.prefill.pid, signal.SIGCONT)
+        self.prefill.freeze(False)
         return f"prefill daemon frozen {pause:.1f}s mid-round{', ' + note if note else ''}"
 
     async def _round(self, round_no: int, spec: ChaosSpec) -> tuple[object, str]:
