@@ -18,9 +18,10 @@ A session can also wedge: after an over-limit batch this engine sometimes leaves
 every later write to that peer pending, never done nor failed. When no write to a
 peer completes for ``stall_timeout`` seconds while some are in flight, the jobs with
 writes in flight fail as *abandoned* (a wedged write might still land, so their rooms
-fence only by lease), the transport is re-created, and the peer's queued jobs go on
-through the new session. A big block gets longer: stall_timeout plus its size at
-STALL_MIN_RATE.
+wait for another proof of fencing), the transport is re-created, and the peer's queued
+jobs go on through the new session. A big block gets longer: stall_timeout plus its
+size at STALL_MIN_RATE. Only time the pump was awake counts: a process frozen with its
+engine resumes with its writes as they were.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ IDLE_POLL_MIN, IDLE_POLL_MAX = 0.00002, 0.0002
 BULK_POLL_MIN, BULK_POLL_MAX = 0.0001, 0.001
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (big blocks get longer)
+STOOD_STILL = 0.1  # seconds between two rounds past which the pump is taken to have stood still
 
 
 @dataclass(eq=False)
@@ -113,6 +115,7 @@ class TransferPump:
         self._cancels = False  # a job was cancelled since the last round
         self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
         self._cuts: list[concurrent.futures.Future] = []  # operator cuts waiting for nothing in flight
+        self._last_round = time.monotonic()
 
     def start(self) -> None:
         # At the normal policy even in a daemon that yields the cores (cpu_yield.py):
@@ -199,6 +202,7 @@ class TransferPump:
             self._cancels = False
             progressed |= self._drop_cancelled()
         now = time.monotonic()
+        self._skip_time_stood_still(now)
         for sessions, peer in self._peers.items():
             progressed |= self._drain(peer)
             if peer.in_flight and self._is_stalled(peer, now) and not self._reset_wanted:
@@ -219,6 +223,18 @@ class TransferPump:
             self._cut()
             progressed = True
         return progressed
+
+    def _skip_time_stood_still(self, now: float) -> None:
+        """A stall is judged on time the pump was awake. Rounds come a millisecond apart
+        while writes are in flight; a longer gap means this process stood still (SIGSTOP,
+        a paused host, starvation) and, most often, its transfer engine with it. Writes
+        then had no time to complete, and abandoning them as stalled would leave their
+        rooms' decode sides waiting for a proof of fencing that never comes."""
+        gap, self._last_round = now - self._last_round, now
+        if gap > STOOD_STILL:
+            for peer in self._peers.values():
+                if peer.in_flight:
+                    peer.progress_at += gap
 
     def _cut(self) -> None:
         cuts, self._cuts = self._cuts, []

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -23,6 +24,7 @@ from pdxfer.pump import RETRY_BUDGET, Job, TransferPump
 from pdxfer.transport import Peer, Status, label
 
 WAIT = 5.0  # generous upper bound for the pump thread to act; never a speed assertion
+STAND_STILL = 0.4  # seconds a "stand_still" poll holds the pump thread
 
 
 class FakeTransport:
@@ -35,7 +37,9 @@ class FakeTransport:
     * "refuse": submit() returns handle 0 for it;
     * "hold": PENDING until the test calls release(src), then DONE (never, if it
       is not released: a wedged session);
-    * "raise": poll() raises, as a broken transport would.
+    * "raise": poll() raises, as a broken transport would;
+    * "stand_still": the first poll takes STAND_STILL seconds, as if the pump's process
+      had been stopped inside it, then "hold".
 
     It also checks the pump's side of the contract as it runs: never more than
     ``window`` writes in flight to one peer, never a poll of a consumed handle.
@@ -123,6 +127,10 @@ class FakeTransport:
                     del self.handles[h]
                 self.in_flight.clear()
                 raise RuntimeError("transport exploded")
+            if what == "stand_still":  # the caller's process stops here a while (SIGSTOP, a paused host)
+                self.behaviour[src] = "hold"
+                time.sleep(STAND_STILL)
+                return Status.PENDING
             if what == "hold" and src not in self.released:
                 return Status.PENDING
             status = Status.FAILED if what in ("fail", "fail1") else Status.DONE
@@ -353,6 +361,22 @@ async def test_a_stalled_session_abandons_the_jobs_in_flight_and_is_recreated(ma
     # The job queued behind it goes through the re-created session.
     assert (await asyncio.wait_for(queued_done, WAIT)).ok and not queued.abandoned
     assert h.fake.resets == 1 and h.pump.stalls == 1 and h.pump.resets == 1
+    h.check()
+
+
+async def test_time_the_pump_stood_still_does_not_count_towards_a_stall(make_harness):
+    """Frozen (SIGSTOP) with its transfer engine, the pump watched nothing: on waking,
+    the writes in flight had no more time to complete than before the freeze. Only
+    time the pump was awake counts, so they are not abandoned as stalled (an abandoned
+    room's decode side waits for a proof that never comes)."""
+    h = make_harness(window=2, stall_timeout=0.2)
+    job, done = h.job("p", 1, b0="stand_still")
+    h.pump.start()
+    h.pump.submit(job)
+    await rounds(h.fake, 3)  # past the stand-still, 0.4 s, twice the stall timeout
+    assert h.pump.stalls == 0 and not done.done()
+    h.fake.release(1000)
+    assert (await asyncio.wait_for(done, WAIT)).ok and not job.abandoned
     h.check()
 
 
