@@ -124,7 +124,7 @@ def test_an_admin_request_without_the_secret_is_refused_logged_and_counted(daemo
             assert isinstance(signed.call(p.AdminPeers), p.PeersReply)
         assert dc.stats().failures.get("unauthenticated:admin-message") == 2, dc.stats().failures
         # The first is logged at once; the second, in the same interval, is counted towards the next report.
-        wait_until(lambda: logged(decode, "refused an admin request", "not signed with this cluster's secret"), 5, "the refusal to be logged")
+        wait_until(lambda: logged(decode, "refused an admin request", "message not signed: the receiver has a cluster secret"), 5, "the refusal to be logged")
     finally:
         dc.close()
 
