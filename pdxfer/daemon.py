@@ -104,14 +104,15 @@ class Daemon:
                 self._bootstrap.on_error = self._peer_handler_failed
                 self._bootstrap.on_dropped = self._peer_messages_dropped
                 self._bootstrap.on_refused = self._peer_connection_refused
-                bound = await self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
+                connection = lambda identity, event: self.service.on_connection(identity, event)  # noqa: E731 (the service comes later)
+                bound = await self._bootstrap.start(loop, self._on_bootstrap, connection, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
                 self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
-        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout)
+        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
         self.service = self._make_service()
         # Peers, engines and operators are let in only now that the service exists.
         if self._bootstrap is not None:
@@ -485,6 +486,12 @@ class Daemon:
         if not task.cancelled() and task.exception() is not None:
             self.service.count_failure("task:one-shot")
             log.error("background step failed: %r", task.exception())
+
+    def _write_failed(self, sessions: Peer) -> None:
+        """A write to ``sessions`` failed: a prefill judges whether that decode daemon
+        is gone (a decode daemon's pump writes nothing of its own)."""
+        if isinstance(self.service, PrefillService):
+            self.service.write_failed(sessions)
 
     def _transport_reset(self, sessions: Peer) -> None:
         self.sessions = self.service.sessions = sessions

@@ -238,7 +238,10 @@ class _Connection(asyncio.Protocol):
 
 class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
-    each message of each identified connection; ``post(identity, payload)`` queues a
+    each message of each identified connection, and ``on_connection(identity,
+    'connected' | 'disconnected')`` hears when a connection takes an identity and when
+    the one holding it is lost (not when another takes it over: the identity is still
+    connected). ``post(identity, payload)`` queues a
     reply (see wire.Outbox); one to an identity not connected, or past a full send
     buffer, is dropped and ``on_dropped`` hears of it. With ``prover`` (a cluster
     secret), a connection takes an identity only with its proof, and is then sent
@@ -263,11 +266,18 @@ class PeerServer:
         self._outbox = Outbox(self._send_batch)
         self._head: Head = _no_head
         self._on_message: Callable[[bytes, list[bytes]], None] = lambda identity, frames: None
+        self._on_connection: Callable[[bytes, str], None] | None = None
 
-    async def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = _no_head) -> str:
+    async def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[bytes, list[bytes]], None],
+        on_connection: Callable[[bytes, str], None],
+        head: Head = _no_head,
+    ) -> str:
         """Bind (port 0: any free port) and return the bound ``tcp://host:port``;
         connections are accepted only from ``serve()`` on."""
-        self._on_message, self._head, self._outbox.loop = on_message, head, loop
+        self._on_message, self._on_connection, self._head, self._outbox.loop = on_message, on_connection, head, loop
         self._server = await loop.create_server(self._accept, self.host, self.port, start_serving=False)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.bound = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
@@ -323,6 +333,7 @@ class PeerServer:
         self._by_identity[conn.identity] = conn
         if older is not None:
             older.transport.abort()
+        self._tell(identity, "connected")
 
     def _check_named(self, conn: _Connection) -> None:
         if conn.identity is None and conn in self._open:
@@ -332,6 +343,14 @@ class PeerServer:
         self._open.discard(conn)
         if conn.identity is not None and self._by_identity.get(conn.identity) is conn:
             del self._by_identity[conn.identity]
+            self._tell(conn.identity, "disconnected")
+
+    def _tell(self, identity: bytes, event: str) -> None:
+        try:
+            self._on_connection(identity, event)
+        except Exception:
+            self.on_error()
+            log.exception("%s: handling a connection change of %r failed", self.bound, identity)
 
     def post(self, identity: bytes, payload: bytes) -> None:
         self._outbox.post(payload, identity)

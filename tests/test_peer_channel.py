@@ -80,7 +80,8 @@ async def channel():
         loop = asyncio.get_running_loop()
         at_server, at_link, events = [], [], []
         server = PeerServer("127.0.0.1", port, max_bytes, prover(secret))
-        bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)))
+        # Its connection events are tested on their own (below).
+        bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)), lambda identity, event: None)
         if serve:
             await server.serve()
         link = PeerLink(bound, b"link-1", max_bytes, prover(secret if link_secret is None else link_secret))
@@ -291,6 +292,39 @@ async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connecte
     link.post(b"y")
     await arrived(lambda: [b"still yours"] in at_link and len(at_server) == 2)
     assert at_server == [(b"link-1", [b"x"]), (b"link-1", [b"y"])]
+
+
+async def test_the_server_tells_when_an_identity_connects_and_when_its_connection_is_lost():
+    """Only a proven identity connects; one taken over by a newer connection stays
+    connected; only the loss of the connection that holds it disconnects it."""
+    events = []
+    server = PeerServer("127.0.0.1", 0, 1 << 20, prover(SECRET))
+    bound = await server.start(asyncio.get_running_loop(), lambda identity, frames: None, lambda identity, event: events.append((identity, event)))
+    await server.serve()
+    link = PeerLink(bound, b"link-1", 1 << 20, prover(SECRET))
+    try:
+        link.start(asyncio.get_running_loop(), lambda frames: None)
+        await arrived(lambda: events == [(b"link-1", "connected")])
+        link.close()
+        await arrived(lambda: len(events) == 2)
+        assert events[1] == (b"link-1", "disconnected")
+        reader, writer, nonce = await challenged(bound)
+        writer.write(encode([b"link-2", b"", COUNTER]))  # unproven: no event
+        await closed(reader)
+        proven = []
+        for _ in range(2):
+            reader, writer, nonce = await challenged(bound)
+            writer.write(encode([b"link-2", Seal("", SECRET).prove(nonce, b"link-2"), COUNTER]))
+            await asyncio.wait_for(read_message(reader), 5)  # the server's proof: it took the identity
+            proven.append((reader, writer))
+        await closed(proven[0][0])  # taken over by the second: closed, and the identity still connected
+        assert events[2:] == [(b"link-2", "connected"), (b"link-2", "connected")], events
+        proven[1][1].close()
+        await arrived(lambda: len(events) == 5)
+        assert events[4] == (b"link-2", "disconnected")
+    finally:
+        link.close()
+        server.close()
 
 
 async def test_a_recorded_answer_is_refused_on_another_connection(channel):
