@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -22,7 +23,7 @@ import pytest
 
 from pdxfer import protocol as p
 from pdxfer.inspection import AdminClient, CommandError
-from pdxfer.peer_channel import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
+from pdxfer.peer_channel import NONCE_BYTES, PREAMBLE, encode, split_endpoint
 from pdxfer.protocol import RoomState
 
 from .conftest import needs_mooncake
@@ -145,22 +146,27 @@ class ImpostorPrefill:
 
     def _handshake(self, conn: socket.socket):
         conn.settimeout(10)
-        got = b""
-        while len(got) < len(PREAMBLE):
-            got += conn.recv(len(PREAMBLE) - len(got))
-        assert got == PREAMBLE, got
+        assert recv_exactly(conn, len(PREAMBLE)) == PREAMBLE
         conn.sendall(encode([os.urandom(NONCE_BYTES)]))
-        deframer, answer = Deframer(1 << 20), []
-        while not answer:
-            answer = deframer.feed(conn.recv(65536))
-        before = b"".join(b"".join(frames) for frames in answer[1:]) + bytes(deframer._buf)
-        before += listen(conn, self.QUIET)
-        conn.sendall(encode(self.forge(answer[0])))
+        (count,) = struct.unpack("<I", recv_exactly(conn, 4))  # the answer, and not a byte more
+        lengths = struct.unpack(f"<{count}I", recv_exactly(conn, 4 * count))
+        answer = [recv_exactly(conn, n) for n in lengths]
+        before = listen(conn, self.QUIET)
+        conn.sendall(encode(self.forge(answer)))
         sent = time.monotonic()
-        return answer[0], before, listen(conn, 5.0), sent
+        return answer, before, listen(conn, 5.0), sent
 
     def close(self) -> None:
         self.listener.close()
+
+
+def recv_exactly(conn: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        data = conn.recv(n - len(got))
+        assert data, f"the connection closed after {len(got)} of {n} bytes"
+        got += data
+    return got
 
 
 def listen(conn: socket.socket, seconds: float) -> bytes:
