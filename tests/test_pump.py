@@ -182,7 +182,8 @@ class Harness:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self.fake = FakeTransport(window)
-        self.pump = TransferPump(self.fake, window, self.loop, stall_timeout)
+        self.failed_to: list[Peer] = []  # what the pump told of failed writes, in order
+        self.pump = TransferPump(self.fake, window, self.loop, stall_timeout, on_write_failed=self._write_failed)
         self.calls: dict[int, int] = defaultdict(int)  # job id -> on_done calls
         self.order: list[int] = []  # job ids in completion order
         self.problems: list[str] = []  # checks made inside on_done
@@ -215,6 +216,11 @@ class Harness:
                 future.set_result(job)
 
         return Job(job_id, (peer,), blocks, on_done), future
+
+    def _write_failed(self, sessions: Peer) -> None:
+        if threading.get_ident() != self.loop_thread:
+            self.problems.append(f"a failed write to {sessions} told off the event loop")
+        self.failed_to.append(sessions)
 
     def srcs(self, job: Job) -> list[int]:
         return job.blocks.src.tolist()
@@ -319,6 +325,7 @@ async def test_a_block_that_failed_once_is_written_again_and_the_job_succeeds(ma
     # Writes are idempotent (same bytes, same place), so a failed block is simply
     # written again; the job never saw the fault.
     assert job.ok and job.retries == 1
+    assert h.failed_to == [("p",)]  # told on the loop, though the pump dealt with it
     assert h.fake.sent_to("p").count(1001) == 2
     assert sorted(set(h.fake.sent_to("p"))) == list(range(1000, 1008))
     h.check()
@@ -394,6 +401,28 @@ async def test_a_big_write_gets_longer_before_it_counts_as_a_stall(make_harness)
     assert not big_done.done() and not big.abandoned
     h.fake.release(1000)
     assert (await asyncio.wait_for(big_done, WAIT)).ok
+    h.check()
+
+
+async def test_failed_writes_and_probes_are_told_on_the_loop_for_their_peer_only(make_harness):
+    """What lets a prefill fail a dead decode daemon's rooms at once (prefill.py): each
+    failed write and failed probe is told, by peer, before the jobs they ended."""
+    h = make_harness(window=4)
+    h.fake.dead.add("p")
+    job, done = h.job("p", 3, b0="fail", b1="fail", b2="fail")
+    job.probe = 1
+    healthy, healthy_done = h.job("q", 2)
+    told_before_done = []
+    on_done = job.on_done
+    job.on_done = lambda j: told_before_done.append(list(h.failed_to)) or on_done(j)
+    h.pump.start()
+    h.pump.submit(job)
+    h.pump.submit(healthy)
+    assert (await asyncio.wait_for(healthy_done, WAIT)).ok
+    await asyncio.wait_for(done, WAIT)
+    assert "broken" in job.error and h.fake.probes == ["p", "p"]
+    assert told_before_done[0] and set(told_before_done[0]) == {("p",)}
+    assert set(h.failed_to) == {("p",)}  # never the healthy peer
     h.check()
 
 
