@@ -18,9 +18,11 @@ import time
 
 import pytest
 
+from pdxfer import memory
 from pdxfer.chaos import ChaosSpec, run_chaos
 
 from .conftest import needs_mooncake
+from .roomkit import engine
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
@@ -84,6 +86,33 @@ def test_the_daemon_runs_its_transfer_engine_in_a_process_of_its_own(daemons):
     session_ports = {int(s.rsplit(":", 1)[1]) for s in prefill.ready["sessions"]}
     assert session_ports <= set(listening_ports(pid)), "the engine's ports belong to its own process"
     assert session_ports.isdisjoint(listening_ports(prefill.ready["pid"]))
+
+
+def pool_mappings(pid: int) -> dict[str, int]:
+    """Start address of each engine pool (pdxfer-kv-*, pdxfer-aux-*) process ``pid`` maps."""
+    found = {}
+    with open(f"/proc/{pid}/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            name = os.path.basename(fields[-1]) if len(fields) >= 6 else ""
+            if name.startswith(("pdxfer-kv-", "pdxfer-aux-")):
+                found.setdefault(name, int(fields[0].split("-")[0], 16))
+    return found
+
+
+def test_engine_pools_are_mapped_apart_at_the_same_addresses_in_both_processes(daemons):
+    """The engine's process maps every pool at the daemon's own address; the daemon
+    places them where neither process puts anything of its own (memory.APART), so no
+    registration finds its address taken there."""
+    decode = daemons("decode")
+    client = engine(decode)
+    try:
+        ours, theirs = pool_mappings(decode.ready["pid"]), pool_mappings(decode.ready["engine_pid"])
+        assert len(ours) == 2 and ours == theirs, (ours, theirs)
+        assert all(memory.APART[0] <= address < memory.APART[1] for address in ours.values()), ours
+        assert "taken" not in open(decode.log_path).read()
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
