@@ -78,12 +78,12 @@ class _FixedMapping:
         self.size, self.placement = size, placement
         for _ in range(8):  # an address taken after all (something else mapped there) is skipped
             address = placement.take(size)
-            got = _libc().mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS | _MAP_FIXED_NOREPLACE, fd, 0)
+            got = libc().mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS | MAP_FIXED_NOREPLACE, fd, 0)
             if got == address:
                 self.address, self.closed = address, False
                 return
-            if got != _MAP_FAILED:  # a kernel before 4.17 took the address as a hint
-                _libc().munmap(got, size)
+            if got != MAP_FAILED:  # a kernel before 4.17 took the address as a hint
+                libc().munmap(got, size)
         raise Unsupported(f"cannot map {size} bytes of shared memory at a fixed address ({os.strerror(ctypes.get_errno())})")
 
     def buffer(self):
@@ -96,16 +96,17 @@ class _FixedMapping:
         if sys.getrefcount(self._buffer) > 2:  # a view of it is alive: unmapping would pull the memory from under it
             raise BufferError("views of the mapping are still alive")
         self.closed = True
-        _libc().munmap(self.address, self.size)
+        libc().munmap(self.address, self.size)
         self.placement.give(self.address, self.size)
 
 
-_MAP_FIXED_NOREPLACE = 0x100000
-_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: fail with EEXIST rather than replace what is there
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @functools.lru_cache(maxsize=1)
-def _libc():
+def libc():
+    """libc with mmap and munmap typed: mmap.mmap cannot be told an address."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

@@ -34,9 +34,14 @@ NINE_BYTES = struct.pack("<Q", 1) + b"5"  # a length of 1, then a JSON number wh
 
 
 def listening_ports(pid: int) -> list[int]:
-    """TCP ports process ``pid`` listens on (from /proc: no tools needed)."""
+    """TCP ports process ``pid`` listens on (from /proc: no tools needed); none once it
+    is gone (an engine process the last attack ended, before its successor started)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return []
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -45,11 +50,15 @@ def listening_ports(pid: int) -> list[int]:
             inodes.add(target[8:-1])
     ports = set()
     for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as fh:
-            for line in list(fh)[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        try:
+            with open(f"/proc/{pid}/net/{table}") as fh:
+                lines = list(fh)[1:]
+        except FileNotFoundError:
+            return []
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return sorted(ports)
 
 
