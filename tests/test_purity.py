@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-CORE = ["protocol", "errors", "config", "rooms", "slots", "plan", "stamp", "paths"]
+CORE = ["protocol", "errors", "config", "rooms", "slots", "plan", "stamp", "paths", "topology"]
 # socket and threading are checked too: today no stdlib or third-party dependency of
 # the core (msgspec, numpy, tomllib, zlib) pulls them in. If one ever does indirectly
 # (logging, for instance, imports threading), narrow this list to the first four
