@@ -34,7 +34,8 @@ def decode_hello(client, incarnation: str, name: str) -> PeerHello:
 class PeerSocket:
     """A connection to a prefill daemon's bootstrap endpoint under ``identity``
     (random by default), its challenge answered with a proof made with ``secret``
-    (with none, an empty proof)."""
+    (with none, an empty proof). The prefill's reply, its own proof, is kept in
+    ``reply`` unchecked; a refusal in its place is the first message received."""
 
     def __init__(self, endpoint: str, identity: bytes = b"", secret: bytes = b"") -> None:
         self.sock = socket.create_connection(split_endpoint(endpoint), timeout=5)
@@ -43,7 +44,14 @@ class PeerSocket:
         self._received: collections.deque = collections.deque()
         self.sock.sendall(PREAMBLE)
         (self.nonce,) = self.recv_multipart()
-        self.sock.sendall(encode([self.identity, Seal("", secret).prove(self.nonce, self.identity) if secret else b""]))
+        proof = Seal("", secret).prove(self.nonce, self.identity) if secret else b""
+        self.sock.sendall(encode([self.identity, proof, os.urandom(NONCE_BYTES)]))
+        reply = self.recv_multipart()
+        if len(reply) == 1:
+            (self.reply,) = reply
+        else:
+            self.reply = None
+            self._received.appendleft(reply)
 
     def send_multipart(self, frames: list[bytes]) -> None:
         self.sock.sendall(encode(frames))
@@ -108,9 +116,10 @@ class PeerListener:
             data, state[0] = state[0][len(PREAMBLE) :], None
             sock.sendall(encode([os.urandom(NONCE_BYTES)]))
         for frames in state[1].feed(data):
-            if state[2] is None:  # its identity and a proof, which a listener without a secret takes on trust
+            if state[2] is None:  # its identity, a proof and a challenge: a listener without a secret takes it on trust
                 state[2] = frames[0]
                 self._by_identity[state[2]] = sock
+                sock.sendall(encode([b""]))  # and has no proof to give
             else:
                 self._received.append([state[2], *frames])
 

@@ -140,7 +140,7 @@ def kill(daemon, sig=signal.SIGKILL) -> float:
 
 
 class Freezer:
-    """Stops (SIGSTOP) and resumes (SIGCONT) a daemon. ``thaw`` in a test's teardown
+    """Stops (SIGSTOP) and resumes (SIGCONT) a daemon with its transfer engine's process. ``thaw`` in a test's teardown
     resumes one still stopped (an assertion failed while it was frozen), so the
     daemon fixture can stop it."""
 
@@ -150,10 +150,11 @@ class Freezer:
 
     def stop(self) -> float:
         self.stopped = True
-        return kill(self.daemon, signal.SIGSTOP)
+        self.daemon.freeze(True)
+        return time.monotonic()
 
     def resume(self) -> None:
-        kill(self.daemon, signal.SIGCONT)
+        self.daemon.freeze(False)
         self.stopped = False
 
     def thaw(self) -> None:

@@ -186,7 +186,7 @@ def test_the_pump_started_by_a_yielding_daemon_keeps_the_normal_policy():
 
     def yielding_daemon() -> None:
         cpu_yield.yield_this_thread()
-        pump = TransferPump(FakeTransport(window=4), window=4, loop=asyncio.new_event_loop())
+        pump = TransferPump(FakeTransport(window=4), window=4, loop=asyncio.new_event_loop(), on_write_failed=[].append)
         pump.start()
         try:
             seen["pump"] = os.sched_getscheduler(pump._thread.native_id)

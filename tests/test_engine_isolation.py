@@ -18,9 +18,11 @@ import time
 
 import pytest
 
+from pdxfer.host import memory
 from pdxfer.tools.chaos import ChaosSpec, run_chaos
 
 from .conftest import needs_mooncake
+from .roomkit import engine
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
@@ -32,9 +34,14 @@ NINE_BYTES = struct.pack("<Q", 1) + b"5"  # a length of 1, then a JSON number wh
 
 
 def listening_ports(pid: int) -> list[int]:
-    """TCP ports process ``pid`` listens on (from /proc: no tools needed)."""
+    """TCP ports process ``pid`` listens on (from /proc: no tools needed); none once it
+    is gone (an engine process the last attack ended, before its successor started)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return []
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -43,11 +50,15 @@ def listening_ports(pid: int) -> list[int]:
             inodes.add(target[8:-1])
     ports = set()
     for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as fh:
-            for line in list(fh)[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        try:
+            with open(f"/proc/{pid}/net/{table}") as fh:
+                lines = list(fh)[1:]
+        except FileNotFoundError:
+            return []
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return sorted(ports)
 
 
@@ -84,6 +95,33 @@ def test_the_daemon_runs_its_transfer_engine_in_a_process_of_its_own(daemons):
     session_ports = {int(s.rsplit(":", 1)[1]) for s in prefill.ready["sessions"]}
     assert session_ports <= set(listening_ports(pid)), "the engine's ports belong to its own process"
     assert session_ports.isdisjoint(listening_ports(prefill.ready["pid"]))
+
+
+def pool_mappings(pid: int) -> dict[str, int]:
+    """Start address of each engine pool (pdxfer-kv-*, pdxfer-aux-*) process ``pid`` maps."""
+    found = {}
+    with open(f"/proc/{pid}/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            name = os.path.basename(fields[-1]) if len(fields) >= 6 else ""
+            if name.startswith(("pdxfer-kv-", "pdxfer-aux-")):
+                found.setdefault(name, int(fields[0].split("-")[0], 16))
+    return found
+
+
+def test_engine_pools_are_mapped_apart_at_the_same_addresses_in_both_processes(daemons):
+    """The engine's process maps every pool at the daemon's own address; the daemon
+    places them where neither process puts anything of its own (memory.APART), so no
+    registration finds its address taken there."""
+    decode = daemons("decode")
+    client = engine(decode)
+    try:
+        ours, theirs = pool_mappings(decode.ready["pid"]), pool_mappings(decode.ready["engine_pid"])
+        assert len(ours) == 2 and ours == theirs, (ours, theirs)
+        assert all(memory.APART[0] <= address < memory.APART[1] for address in ours.values()), ours
+        assert "taken" not in open(decode.log_path).read()
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

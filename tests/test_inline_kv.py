@@ -235,6 +235,6 @@ def test_inline_kv_cannot_exceed_the_protocol_bound():
     from pdxfer.core import config
     from pdxfer.core.protocol import MAX_INLINE_KV_BYTES
 
-    with pytest.raises(ValueError, match="inline_kv_bytes"):
+    with pytest.raises(ValueError, match="--inline-kv-bytes is 1048577"):
         config.load({"role": "decode", "inline_kv_bytes": MAX_INLINE_KV_BYTES + 1})
     assert config.load({"role": "decode"}).inline_kv_bytes == 64 * 1024

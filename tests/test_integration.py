@@ -54,7 +54,7 @@ def test_writes_spread_over_the_engines_of_both_daemons(daemons, prefill_engines
     assert dec["outcome"] == {"success": 64} and pre["outcome"] == {"success": 64}, (pre["outcome"], dec["outcome"])
     # Every decode engine received: each has a data port of its own with lanes accepted on it.
     handshake = {int(s.rsplit(":", 1)[1]) for s in decode.ready["sessions"]}
-    receiving = accepting_ports(decode.pid) - handshake
+    receiving = accepting_ports(decode.ready["engine_pid"]) - handshake
     assert len(receiving) == decode_engines, (receiving, handshake)
 
 
@@ -307,6 +307,15 @@ def test_relocation_between_plan_and_use_fails_the_room_before_bytes_move(engine
     assert decode.wait(13).state is RoomState.SUCCESS
 
 
+def heard_of(client, room: int) -> bool:
+    """Whether ``client``'s daemon knows ``room`` (one it never heard of is an error)."""
+    try:
+        client.poll(room)
+    except errors.PdxferError:
+        return False
+    return True
+
+
 def test_abort_on_either_side_fails_both_and_fences(engines):
     prefill = engines(engines.prefill_daemon, small_layout())
     decode = engines(engines.decode_daemon, small_layout())
@@ -317,7 +326,10 @@ def test_abort_on_either_side_fails_both_and_fences(engines):
     status = decode.wait(20)
     assert status.state is RoomState.FAILED and status.code == "aborted" and status.fenced
     assert "client went away" in status.reason
-    # The prefill learnt it: its send() is refused with the reason.
+    # The prefill learns it once the decode daemon's link is up (a handshake of two
+    # round trips, which the decode's room does not wait for: it was never requested),
+    # and its send() is then refused with the reason.
+    wait_until(lambda: heard_of(prefill, 20), 10, "the prefill to hear of the abort")
     with pytest.raises(errors.PdxferError, match="client went away"):
         _fill_room(prefill, 20, np.array([5]), 4, seed=8)
     decode.release(20)

@@ -22,7 +22,6 @@ import time
 import urllib.request
 
 import io
-import signal
 
 import numpy as np
 import pytest

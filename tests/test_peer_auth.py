@@ -1,17 +1,22 @@
-"""Who a peer is, proven rather than claimed (issue 30, item 3), with real daemons:
-with --cluster-secret-file on both daemons, a process without the secret that names
-a decode daemon on the prefill's bootstrap port (its incarnation is in its ready
+"""Who a peer is, proven rather than claimed (issue 30, items 3 and 4), with real
+daemons: with --cluster-secret-file on both daemons, a process without the secret that
+names a decode daemon on the prefill's bootstrap port (its incarnation is in its ready
 line and in every envelope on the wire) is refused, logged and counted, and the real
-decode daemon's rooms go on to succeed. An admin request without the secret is
-refused, logged and counted too. And a room id that a second decode daemon also
-expects fails only there, not for the first one.
+decode daemon's rooms go on to succeed. A process without the secret at a prefill's
+address learns nothing from a decode daemon that connects to it: no peer_hello, so no
+addresses to write to. An admin request without the secret is refused, logged and
+counted too. And a room id that a second decode daemon also expects fails only there,
+not for the first one.
 
-The handshake itself (wrong proof, replayed proof, secret on one side only) is tested
-without daemons in test_peer_channel.py."""
+The handshake itself (wrong proof, replayed or reflected proof, secret on one side
+only) is tested without daemons in test_peer_channel.py."""
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
+import threading
 import time
 
 import pytest
@@ -19,7 +24,7 @@ import pytest
 from pdxfer.core import protocol as p
 from pdxfer.core.protocol import RoomState
 from pdxfer.ops.inspection import AdminClient, CommandError
-from pdxfer.wire.bootstrap import PREAMBLE, encode, split_endpoint
+from pdxfer.wire.bootstrap import NONCE_BYTES, PREAMBLE, encode, split_endpoint
 
 from .conftest import needs_mooncake
 from .peersocket import PeerSocket
@@ -101,12 +106,119 @@ def test_a_peer_without_the_secret_cannot_take_over_a_decode_daemons_identity(da
         assert failures.get("bad_message:peer-connection") == 1, failures
         assert pc.stats().peers == 1
         # Each refusal is logged with the impostor's address; a kind's first is logged at once.
-        for sock, why in ((claim, "its first message must be its identity"), (forged.sock, "without proof of this cluster's secret")):
+        for sock, why in ((claim, "its first message must be its identity"), (forged.sock, "gave no proof of the prefill's cluster secret")):
             assert logged(prefill, f"closing a connection from ('127.0.0.1', {sock.getsockname()[1]})", why), why
     finally:
         for sock in impostors:
             sock.close()
         pc.close()
+        dc.close()
+
+
+class ImpostorPrefill:
+    """A listener at a prefill's address without the cluster secret, in a thread: on
+    each connection it sends a challenge, reads the decode daemon's answer, listens for
+    QUIET seconds more, then sends ``forge(answer)`` in place of the prefill's proof and
+    listens until the connection closes. It keeps, per connection: the answer, what
+    came before its reply, what came after, and when the reply left."""
+
+    QUIET = 1.0
+
+    def __init__(self, forge) -> None:
+        self.forge = forge
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections: list[tuple[list[bytes], bytes, bytes, float]] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                try:
+                    self.connections.append(self._handshake(conn))
+                except OSError:
+                    pass
+
+    def _handshake(self, conn: socket.socket):
+        conn.settimeout(10)
+        assert recv_exactly(conn, len(PREAMBLE)) == PREAMBLE
+        conn.sendall(encode([os.urandom(NONCE_BYTES)]))
+        (count,) = struct.unpack("<I", recv_exactly(conn, 4))  # the answer, and not a byte more
+        lengths = struct.unpack(f"<{count}I", recv_exactly(conn, 4 * count))
+        answer = [recv_exactly(conn, n) for n in lengths]
+        before = listen(conn, self.QUIET)
+        conn.sendall(encode(self.forge(answer)))
+        sent = time.monotonic()
+        return answer, before, listen(conn, 5.0), sent
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def recv_exactly(conn: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        data = conn.recv(n - len(got))
+        assert data, f"the connection closed after {len(got)} of {n} bytes"
+        got += data
+    return got
+
+
+def listen(conn: socket.socket, seconds: float) -> bytes:
+    """What arrives within ``seconds``, or until the other end closes."""
+    got, deadline = b"", time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            data = conn.recv(65536)
+        except socket.timeout:
+            break
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        got += data
+    return got
+
+
+FORGED = {
+    "garbage": lambda answer: [os.urandom(16)],
+    "reflected": lambda answer: [answer[1]],  # the decode daemon's own proof, sent back
+}
+
+
+@pytest.mark.parametrize("forged", FORGED)
+def test_a_decode_daemon_tells_a_prefill_that_proves_no_secret_nothing(daemons, secret_file, forged):
+    """Issue 30.4: whoever answers at a prefill's address (a wrong address, a spoofed
+    name, a stranger on the port) and cannot prove the cluster secret gets the decode
+    daemon's answer to its challenge and nothing after it: no peer_hello (the pool
+    addresses and transfer-engine sessions to write to), no room request. The room
+    there fails at once as unauthenticated, naming the secret; the refusal is logged
+    and counted."""
+    decode = daemons("decode", "--cluster-secret-file", secret_file)
+    dc = engine(decode)
+    impostor = ImpostorPrefill(FORGED[forged])
+    try:
+        dc.expect(9, impostor.address, [1, 2], dc.alloc_slot())
+        status = dc.wait(9, timeout=ImpostorPrefill.QUIET + 10 + SLACK)
+        failed_at = time.monotonic()
+        answer, before, after, replied = impostor.connections[0]
+        assert before == b"", f"the decode daemon sent {len(before)} bytes before the prefill proved the secret: {before[:200]!r}"
+        assert after == b"", f"the decode daemon sent {len(after)} bytes after a reply that proves nothing: {after[:200]!r}"
+        assert len(answer) == 3 and answer[0] == decode.ready["incarnation"].encode(), answer
+        assert status.state is RoomState.FAILED and status.code is p.ErrorCode.UNAUTHENTICATED, status
+        assert "--cluster-secret-file" in status.reason and impostor.address in status.reason, status.reason
+        assert status.fenced, status  # its request never left: nothing can land for it
+        assert failed_at - replied < SLACK, failed_at - replied
+        assert dc.stats().failures.get("unauthenticated:peer-connection", 0) >= 1, dc.stats().failures
+        assert logged(decode, "closing a connection from", "it gave no proof of this cluster's secret (--cluster-secret-file)")
+    finally:
+        impostor.close()
         dc.close()
 
 
@@ -124,7 +236,7 @@ def test_an_admin_request_without_the_secret_is_refused_logged_and_counted(daemo
             assert isinstance(signed.call(p.AdminPeers), p.PeersReply)
         assert dc.stats().failures.get("unauthenticated:admin-message") == 2, dc.stats().failures
         # The first is logged at once; the second, in the same interval, is counted towards the next report.
-        wait_until(lambda: logged(decode, "refused an admin request", "not signed with this cluster's secret"), 5, "the refusal to be logged")
+        wait_until(lambda: logged(decode, "refused an admin request", "message not signed: the receiver has a cluster secret"), 5, "the refusal to be logged")
     finally:
         dc.close()
 

@@ -1,7 +1,8 @@
 """The bootstrap channel between daemons (pdxfer.wire.bootstrap): framing cut at any
 byte, bounds checked before bytes are waited for, batching and identity, the
-handshake that proves an identity, reconnects, and bounded queues. Real TCP on
-loopback; no daemons."""
+handshake in which each side proves the cluster secret (a link sends nothing to a
+prefill that has not), reconnects, and bounded queues. Real TCP on loopback; no
+daemons."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ OTHER_SECRET = b"another-clusters-secret-0123456789"
 
 
 def prover(secret: bytes):
-    return Seal("", secret).prove if secret else None
+    return Seal("", secret) if secret else None
 
 
 @pytest.fixture
@@ -80,7 +81,8 @@ async def channel():
         loop = asyncio.get_running_loop()
         at_server, at_link, events = [], [], []
         server = PeerServer("127.0.0.1", port, max_bytes, prover(secret))
-        bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)))
+        # Its connection events are tested on their own (below).
+        bound = await server.start(loop, lambda identity, frames: at_server.append((identity, frames)), lambda identity, event: None)
         if serve:
             await server.serve()
         link = PeerLink(bound, b"link-1", max_bytes, prover(secret if link_secret is None else link_secret))
@@ -193,7 +195,7 @@ async def test_a_peer_that_never_reads_holds_a_bounded_send_buffer(channel):
     host, port = split_endpoint(server.bound)
     raw = socket.create_connection((host, port))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    raw.sendall(PREAMBLE + encode([b"stuck", b""]))  # its challenge unread: a server without a secret takes the claim
+    raw.sendall(PREAMBLE + encode([b"stuck", b"", b"c" * NONCE_BYTES]))  # its challenge unread: a server without a secret takes the claim
     try:
         await arrived(lambda: b"stuck" in server._by_identity)
         conn = server._by_identity[b"stuck"]
@@ -262,6 +264,9 @@ async def closed(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
+COUNTER = b"c" * NONCE_BYTES  # a raw connection's own challenge
+
+
 async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connected_peer(channel):
     server, link, at_server, at_link, events = await channel(secret=SECRET)
     refused = []
@@ -273,11 +278,14 @@ async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connecte
     reader, writer = await asyncio.open_connection(*split_endpoint(server.bound))
     writer.write(PREAMBLE + encode([b"link-1"]))
     await closed(reader)
-    for proof in (lambda nonce: b"", lambda nonce: Seal("", OTHER_SECRET).prove(nonce, b"link-1")):
+    for proof, why in (
+        (lambda nonce: b"", "gave no proof: the prefill has a cluster secret (--cluster-secret-file), the decode has none"),
+        (lambda nonce: Seal("", OTHER_SECRET).prove(nonce, b"link-1"), "gave no proof of the prefill's cluster secret (--cluster-secret-file): it has another one"),
+    ):
         reader, writer, nonce = await challenged(server.bound)
-        writer.write(encode([b"link-1", proof(nonce)]) + encode([b"said after the handshake"]))
+        writer.write(encode([b"link-1", proof(nonce), COUNTER]) + encode([b"said after the handshake"]))
         last = Deframer(1 << 20).feed(await closed(reader))
-        assert last == [[b"refused: it named itself b'link-1' without proof of this cluster's secret"]], last
+        assert len(last) == 1 and last[0][0].startswith(b"refused: decode daemon b'link-1' " + why.encode()), last
     assert refused == [ErrorCode.BAD_MESSAGE, ErrorCode.UNAUTHENTICATED, ErrorCode.UNAUTHENTICATED]
     # The peer that proved the identity holds it, hears what is posted to it, and was never disconnected.
     assert server._by_identity[b"link-1"] is held and events == ["connected"]
@@ -287,14 +295,48 @@ async def test_a_connection_without_proof_cannot_take_the_identity_of_a_connecte
     assert at_server == [(b"link-1", [b"x"]), (b"link-1", [b"y"])]
 
 
+async def test_the_server_tells_when_an_identity_connects_and_when_its_connection_is_lost():
+    """Only a proven identity connects; one taken over by a newer connection stays
+    connected; only the loss of the connection that holds it disconnects it."""
+    events = []
+    server = PeerServer("127.0.0.1", 0, 1 << 20, prover(SECRET))
+    bound = await server.start(asyncio.get_running_loop(), lambda identity, frames: None, lambda identity, event: events.append((identity, event)))
+    await server.serve()
+    link = PeerLink(bound, b"link-1", 1 << 20, prover(SECRET))
+    try:
+        link.start(asyncio.get_running_loop(), lambda frames: None)
+        await arrived(lambda: events == [(b"link-1", "connected")])
+        link.close()
+        await arrived(lambda: len(events) == 2)
+        assert events[1] == (b"link-1", "disconnected")
+        reader, writer, nonce = await challenged(bound)
+        writer.write(encode([b"link-2", b"", COUNTER]))  # unproven: no event
+        await closed(reader)
+        proven = []
+        for _ in range(2):
+            reader, writer, nonce = await challenged(bound)
+            writer.write(encode([b"link-2", Seal("", SECRET).prove(nonce, b"link-2"), COUNTER]))
+            await asyncio.wait_for(read_message(reader), 5)  # the server's proof: it took the identity
+            proven.append((reader, writer))
+        await closed(proven[0][0])  # taken over by the second: closed, and the identity still connected
+        assert events[2:] == [(b"link-2", "connected"), (b"link-2", "connected")], events
+        proven[1][1].close()
+        await arrived(lambda: len(events) == 5)
+        assert events[4] == (b"link-2", "disconnected")
+    finally:
+        link.close()
+        server.close()
+
+
 async def test_a_recorded_answer_is_refused_on_another_connection(channel):
     server, _, _, _, _ = await channel(secret=SECRET)
     refused = []
     server.on_refused = lambda code, why: refused.append(code) or []
     reader, writer, nonce = await challenged(server.bound)
-    answer = encode([b"recorded", Seal("", SECRET).prove(nonce, b"recorded")])
+    answer = encode([b"recorded", Seal("", SECRET).prove(nonce, b"recorded"), COUNTER])
     writer.write(answer)
-    await arrived(lambda: b"recorded" in server._by_identity)
+    # The server proves the secret in turn, over both challenges.
+    assert await asyncio.wait_for(read_message(reader), 5) == [Seal("", SECRET).prove_reply(nonce, COUNTER, b"recorded")]
     held = server._by_identity[b"recorded"]
     replayer, replay, other_nonce = await challenged(server.bound)
     assert other_nonce != nonce
@@ -308,26 +350,137 @@ async def test_a_recorded_answer_is_refused_on_another_connection(channel):
 
 
 async def test_a_link_without_the_secret_is_refused_and_hears_why(channel):
+    """Its refusal comes where the server's proof would: a link without a secret,
+    which has nothing to check it by, hands it on (a daemon reads peer_refused in it)."""
     server, link, at_server, at_link, events = await channel(secret=SECRET, link_secret=b"")
     refused = []
-    server.on_refused = lambda code, why: refused.append(code) or [b"not without the secret"]
+    why = [b"an envelope", b"not without the secret"]
+    server.on_refused = lambda code, _: refused.append(code) or why
     link.post(b"let me in")
-    await arrived(lambda: [b"not without the secret"] in at_link and "disconnected" in events)
-    assert at_server == [] and server._by_identity == {}
+    await arrived(lambda: why in at_link)
+    assert at_server == [] and server._by_identity == {} and events == []
     assert refused and set(refused) == {ErrorCode.UNAUTHENTICATED}
 
 
-async def test_without_a_secret_on_the_server_an_identity_is_only_claimed(channel):
-    """A link with a secret reaches a server without one: the server cannot check
-    the proof, so it takes the claim (the envelopes' macs then fail on the link's side)."""
-    server, link, at_server, at_link, events = await channel(link_secret=SECRET)
+async def test_without_a_secret_an_identity_is_only_claimed(channel):
+    server, link, at_server, at_link, events = await channel()
     link.post(b"claimed")
     await arrived(lambda: at_server)
     assert at_server == [(b"link-1", [b"claimed"])] and events == ["connected"]
     reader, writer, _ = await challenged(server.bound)
-    writer.write(encode([b"link-1", b""]))  # anyone may then take it over
+    writer.write(encode([b"link-1", b"", COUNTER]))  # anyone may then take it over
     await arrived(lambda: events == ["connected", "disconnected"])
     writer.close()
+
+
+async def test_a_secret_on_the_link_only_is_refused_by_both_and_nothing_posted_leaves(channel):
+    """The server cannot check the link's proof, so it refuses it (logged and counted
+    there) after its empty reply, which tells the link it has no secret; the link,
+    which cannot trust a server without one, refuses it in turn."""
+    server, link, at_server, at_link, events = await channel(link_secret=SECRET)
+    at_server_refused, at_link_refused = [], []
+    server.on_refused = lambda code, why: at_server_refused.append((code, why)) or [b"an envelope", b"refused"]
+    link.on_refused = lambda code, why: at_link_refused.append((code, why)) or []
+    link.post(b"the decode's addresses")
+    await arrived(lambda: at_server_refused and at_link_refused)
+    assert at_server_refused[0] == (ErrorCode.UNAUTHENTICATED, "decode daemon b'link-1' answered with a proof of a cluster secret "
+                                    "(--cluster-secret-file), and the prefill has none")
+    assert at_link_refused[0] == (ErrorCode.UNAUTHENTICATED, "it gave no proof: the prefill has no cluster secret (--cluster-secret-file), "
+                                  "the decode has one")
+    assert at_server == [] and at_link == [] and events == []
+
+
+# --- the link's side: nothing leaves it before the prefill proved the secret
+
+
+SEAL, OTHER_SEAL = Seal("", SECRET), Seal("", OTHER_SECRET)
+# What a process at the prefill's address that lacks the secret might send in place of
+# the prefill's proof, given its challenge and the link's answer: (reply, why the link refuses it).
+NO_PROOF = "it gave no proof of this cluster's secret (--cluster-secret-file)"
+FORGED_REPLIES = {
+    "reflected": (lambda nonce, identity, proof, counter: [proof], NO_PROOF),
+    "another-secret": (lambda nonce, identity, proof, counter: [OTHER_SEAL.prove_reply(nonce, counter, identity)], NO_PROOF),
+    "another-connections": (lambda nonce, identity, proof, counter: [SEAL.prove_reply(nonce, b"x" * NONCE_BYTES, identity)], NO_PROOF),
+    "garbage": (lambda nonce, identity, proof, counter: [b"\x5a" * 16], NO_PROOF),
+    "empty": (lambda nonce, identity, proof, counter: [b""], "it gave no proof: the prefill has no cluster secret"),
+    "a-refusal": (lambda nonce, identity, proof, counter: [b"an envelope", b"peer_refused"], "it refused this daemon's proof and gave none of its own (2 frames where its proof should be)"),
+}
+
+
+class FakePrefill:
+    """A listener at a prefill's address that takes one connection, plays the
+    handshake with ``reply(nonce, identity, proof, counter)`` in place of a prefill's
+    proof, and keeps the link's answer and whatever it sent after it until it closed."""
+
+    def __init__(self, reply) -> None:
+        self.reply = reply
+        self.connections: list[tuple[list[bytes], bytes]] = []
+        self.listener: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.listener = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self.listener.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.listener.close()  # the link's next tries are refused: one connection tells all
+        assert await reader.readexactly(len(PREAMBLE)) == PREAMBLE
+        nonce = b"n" * NONCE_BYTES
+        writer.write(encode([nonce]))
+        answer = await read_message(reader)
+        writer.write(encode(self.reply(nonce, *answer)))
+        self.connections.append((answer, await closed(reader)))
+        writer.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+async def fake_prefill():
+    made = []
+
+    async def make(reply):
+        fake = FakePrefill(reply)
+        made.append(fake)
+        return fake, await fake.start()
+
+    yield make
+    for fake in made:
+        fake.close()
+
+
+@pytest.mark.parametrize("forged", FORGED_REPLIES)
+async def test_a_link_sends_nothing_to_a_prefill_that_does_not_prove_the_secret(fake_prefill, forged):
+    reply, why = FORGED_REPLIES[forged]
+    fake, bound = await fake_prefill(reply)
+    link = PeerLink(bound, b"link-1", 1 << 20, prover(SECRET))
+    refused, events, got = [], [], []
+    link.on_refused = lambda code, why: refused.append((code, why)) or []
+    link.post(b"peer_hello: where to write")
+    link.start(asyncio.get_running_loop(), got.append, events.append)
+    try:
+        await arrived(lambda: fake.connections)
+        (identity, proof, counter), after = fake.connections[0]
+        assert identity == b"link-1" and proof == SEAL.prove(b"n" * NONCE_BYTES, b"link-1") and len(counter) == NONCE_BYTES
+        assert after == b"", f"the link sent {after!r} to a prefill that did not prove the secret"
+        assert refused[0][0] is ErrorCode.UNAUTHENTICATED and refused[0][1].startswith(why), refused
+        assert events == [] and got == []
+    finally:
+        link.close()
+
+
+async def test_a_link_sends_what_waited_once_the_prefill_proves_the_secret(fake_prefill):
+    """The same fake with the right reply: what it receives after the answer is what
+    the forged replies above must not get."""
+    fake, bound = await fake_prefill(lambda nonce, identity, proof, counter: [SEAL.prove_reply(nonce, counter, identity)])
+    link = PeerLink(bound, b"link-1", 1 << 20, prover(SECRET))
+    events = []
+    link.post(b"peer_hello: where to write")
+    link.start(asyncio.get_running_loop(), lambda frames: None, events.append)
+    await arrived(lambda: events == ["connected"])
+    link.close()
+    await arrived(lambda: fake.connections)
+    assert Deframer(1 << 20).feed(fake.connections[0][1]) == [[b"peer_hello: where to write"]]
 
 
 async def test_a_link_to_a_server_that_sends_no_challenge_gives_up_and_tries_again(monkeypatch):

@@ -173,6 +173,54 @@ def test_decode_killed_mid_transfer_fails_exactly_its_rooms(daemons):
             client.close()
 
 
+# The same with the default heartbeats (1 s x 5): a kill resets the decode daemon's
+# bootstrap connection, and the writes to it then fail; the two together end its rooms.
+KILL_BOUND = 1.5  # seconds: a liveness bound, generous, well under the 5 s heartbeat bound
+STREAM = ("--inject-faults", "delay=1.0:100,seed=3", "--peer-window", "8", "--stall-timeout", "60")
+
+
+def spread(i: int) -> list[int]:
+    """32 pages, no two adjacent: one write per page and KV region (256 for the room)."""
+    return [64 * i + 2 * j for j in range(32)]
+
+
+def test_rooms_being_written_to_a_killed_decode_fail_at_once_not_at_the_heartbeat_bound(daemons):
+    """Writes are held up to 0.1 s and at most 8 are in flight, so the victim's rooms
+    are still being written, a few blocks at a time, when it dies. Its rooms fail on
+    the prefill as peer_dead within KILL_BOUND of the SIGKILL (before this, after
+    1.1-2.1 s as transfer_failed, once the prefill had probed the session and
+    re-created its transport; with every write in flight, at the 5 s heartbeat bound),
+    and exactly its rooms: the other decode daemon's succeed."""
+    p = daemons("prefill", *STREAM, name="p")
+    d1 = daemons("decode", name="d1")
+    d2 = daemons("decode", name="d2")
+    cp, c1, c2 = engine(p), engine(d1), engine(d2)
+    try:
+        victims = [start_room(cp, c1, p.bootstrap, 100 + i, spread(i), spread(i), seed=i) for i in range(4)]
+        wait_until(lambda: all_in(cp, room_ids(victims), T), 10 + SLACK, "the victim's rooms Transferring on the prefill")
+        t_kill = kill(d1)
+        healthy = [start_room(cp, c2, p.bootstrap, 200 + i, [250 + i], [i], seed=10 + i) for i in range(2)]
+        failed = wait_until(lambda: all_in(cp, room_ids(victims), F), 10 + SLACK, "the victim's rooms to fail on the prefill")
+        elapsed = time.monotonic() - t_kill
+        for status in failed.values():
+            assert status.code == "peer_dead", status
+            assert "d1" in status.reason and "bootstrap connection closed" in status.reason and "write" in status.reason, status.reason
+        assert elapsed <= KILL_BOUND, f"the victim's rooms failed {elapsed:.2f}s after the kill"
+        print(f"\nrooms failed {elapsed:.3f}s after the kill")
+        assert p.alive(), "the prefill daemon died with its peer"
+        assert daemon_counters(p.ready["admin"])["failed_writes"] >= 1
+        for case in healthy:
+            assert c2.wait(case.id).state is S
+            case.check_bytes()
+            assert cp.wait(case.id).state is S
+        for case in victims:  # their cancelled writes settle: fenced, none revived
+            status = cp.wait(case.id, timeout=5 + SLACK)
+            assert status.state is F and status.fenced, status
+    finally:
+        for client in (cp, c1, c2):
+            client.close()
+
+
 # --- (b) a prefill daemon killed mid-transfer
 
 

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -23,6 +24,7 @@ from pdxfer.transport import Job, Peer, Status, label
 from pdxfer.transport.pump import RETRY_BUDGET, TransferPump
 
 WAIT = 5.0  # generous upper bound for the pump thread to act; never a speed assertion
+STAND_STILL = 0.4  # seconds a "stand_still" poll holds the pump thread
 
 
 class FakeTransport:
@@ -35,7 +37,9 @@ class FakeTransport:
     * "refuse": submit() returns handle 0 for it;
     * "hold": PENDING until the test calls release(src), then DONE (never, if it
       is not released: a wedged session);
-    * "raise": poll() raises, as a broken transport would.
+    * "raise": poll() raises, as a broken transport would;
+    * "stand_still": the first poll takes STAND_STILL seconds, as if the pump's process
+      had been stopped inside it, then "hold".
 
     It also checks the pump's side of the contract as it runs: never more than
     ``window`` writes in flight to one peer, never a poll of a consumed handle.
@@ -123,6 +127,10 @@ class FakeTransport:
                     del self.handles[h]
                 self.in_flight.clear()
                 raise RuntimeError("transport exploded")
+            if what == "stand_still":  # the caller's process stops here a while (SIGSTOP, a paused host)
+                self.behaviour[src] = "hold"
+                time.sleep(STAND_STILL)
+                return Status.PENDING
             if what == "hold" and src not in self.released:
                 return Status.PENDING
             status = Status.FAILED if what in ("fail", "fail1") else Status.DONE
@@ -174,7 +182,8 @@ class Harness:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self.fake = FakeTransport(window)
-        self.pump = TransferPump(self.fake, window, self.loop, stall_timeout)
+        self.failed_to: list[Peer] = []  # what the pump told of failed writes, in order
+        self.pump = TransferPump(self.fake, window, self.loop, stall_timeout, on_write_failed=self._write_failed)
         self.calls: dict[int, int] = defaultdict(int)  # job id -> on_done calls
         self.order: list[int] = []  # job ids in completion order
         self.problems: list[str] = []  # checks made inside on_done
@@ -207,6 +216,11 @@ class Harness:
                 future.set_result(job)
 
         return Job(job_id, (peer,), blocks, on_done), future
+
+    def _write_failed(self, sessions: Peer) -> None:
+        if threading.get_ident() != self.loop_thread:
+            self.problems.append(f"a failed write to {sessions} told off the event loop")
+        self.failed_to.append(sessions)
 
     def srcs(self, job: Job) -> list[int]:
         return job.blocks.src.tolist()
@@ -311,6 +325,7 @@ async def test_a_block_that_failed_once_is_written_again_and_the_job_succeeds(ma
     # Writes are idempotent (same bytes, same place), so a failed block is simply
     # written again; the job never saw the fault.
     assert job.ok and job.retries == 1
+    assert h.failed_to == [("p",)]  # told on the loop, though the pump dealt with it
     assert h.fake.sent_to("p").count(1001) == 2
     assert sorted(set(h.fake.sent_to("p"))) == list(range(1000, 1008))
     h.check()
@@ -356,6 +371,22 @@ async def test_a_stalled_session_abandons_the_jobs_in_flight_and_is_recreated(ma
     h.check()
 
 
+async def test_time_the_pump_stood_still_does_not_count_towards_a_stall(make_harness):
+    """Frozen (SIGSTOP) with its transfer engine, the pump watched nothing: on waking,
+    the writes in flight had no more time to complete than before the freeze. Only
+    time the pump was awake counts, so they are not abandoned as stalled (an abandoned
+    room's decode side waits for a proof that never comes)."""
+    h = make_harness(window=2, stall_timeout=0.2)
+    job, done = h.job("p", 1, b0="stand_still")
+    h.pump.start()
+    h.pump.submit(job)
+    await rounds(h.fake, 3)  # past the stand-still, 0.4 s, twice the stall timeout
+    assert h.pump.stalls == 0 and not done.done()
+    h.fake.release(1000)
+    assert (await asyncio.wait_for(done, WAIT)).ok and not job.abandoned
+    h.check()
+
+
 async def test_a_big_write_gets_longer_before_it_counts_as_a_stall(make_harness):
     h = make_harness(window=2, stall_timeout=0.05)
     big, big_done = h.job("p", 1, b0="hold")
@@ -370,6 +401,28 @@ async def test_a_big_write_gets_longer_before_it_counts_as_a_stall(make_harness)
     assert not big_done.done() and not big.abandoned
     h.fake.release(1000)
     assert (await asyncio.wait_for(big_done, WAIT)).ok
+    h.check()
+
+
+async def test_failed_writes_and_probes_are_told_on_the_loop_for_their_peer_only(make_harness):
+    """What lets a prefill fail a dead decode daemon's rooms at once (prefill.py): each
+    failed write and failed probe is told, by peer, before the jobs they ended."""
+    h = make_harness(window=4)
+    h.fake.dead.add("p")
+    job, done = h.job("p", 3, b0="fail", b1="fail", b2="fail")
+    job.probe = 1
+    healthy, healthy_done = h.job("q", 2)
+    told_before_done = []
+    on_done = job.on_done
+    job.on_done = lambda j: told_before_done.append(list(h.failed_to)) or on_done(j)
+    h.pump.start()
+    h.pump.submit(job)
+    h.pump.submit(healthy)
+    assert (await asyncio.wait_for(healthy_done, WAIT)).ok
+    await asyncio.wait_for(done, WAIT)
+    assert "broken" in job.error and h.fake.probes == ["p", "p"]
+    assert told_before_done[0] and set(told_before_done[0]) == {("p",)}
+    assert set(h.failed_to) == {("p",)}  # never the healthy peer
     h.check()
 
 

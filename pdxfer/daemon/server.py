@@ -25,14 +25,14 @@ import zmq
 from ..core import paths
 from ..core.config import Config
 from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
-from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeersReply, Role
+from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
 from ..host import cpu_yield, memory
 from ..roles.decode import DecodeService
 from ..roles.prefill import PrefillService
 from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
 from ..transport.pump import TransferPump
 from ..wire.batch import MAX_BATCH
-from ..wire.bootstrap import PeerLink, PeerServer, Prove, RefusalLog
+from ..wire.bootstrap import PeerLink, PeerServer, Prover, RefusalLog
 from ..wire.seal import Seal, read_secret
 from ..wire.sockets import Router
 from . import admin, preflight
@@ -104,18 +104,19 @@ class Daemon:
                 self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
-                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes, self._prove())
+                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes, self._prover())
                 self._bootstrap.on_error = self._peer_handler_failed
                 self._bootstrap.on_dropped = self._peer_messages_dropped
                 self._bootstrap.on_refused = self._peer_connection_refused
-                bound = await self._bootstrap.start(loop, self._on_bootstrap, self._envelope)
+                connection = lambda identity, event: self.service.on_connection(identity, event)  # noqa: E731 (the service comes later)
+                bound = await self._bootstrap.start(loop, self._on_bootstrap, connection, self._envelope)
                 self.bootstrap_address = bound[len("tcp://") :]
             elif step == "open_engine_endpoint":
                 self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
                 self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
-        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout)
+        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
         self.service = self._make_service()
         # Peers, engines and operators are let in only now that the service exists.
         if self._bootstrap is not None:
@@ -490,30 +491,44 @@ class Daemon:
             self.service.count_failure("task:one-shot")
             log.error("background step failed: %r", task.exception())
 
+    def _write_failed(self, sessions: Peer) -> None:
+        """A write to ``sessions`` failed: a prefill judges whether that decode daemon
+        is gone (a decode daemon's pump writes nothing of its own)."""
+        if isinstance(self.service, PrefillService):
+            self.service.write_failed(sessions)
+
     def _transport_reset(self, sessions: Peer) -> None:
         self.sessions = self.service.sessions = sessions
 
-    def _prove(self) -> Prove | None:
-        """What proves this daemon's identity on the bootstrap channel: nothing without a secret."""
-        return self.seal.prove if self.seal.secret else None
+    def _prover(self) -> Prover | None:
+        """What proves the cluster secret on the bootstrap channel: nothing without one."""
+        return self.seal if self.seal.secret else None
 
     def _peer_connection_refused(self, code: ErrorCode, why: str) -> list[bytes]:
-        """A bootstrap connection refused by either end (the channel logged it):
-        counted, and one the prefill refused for want of the secret hears so, which
-        fails that decode daemon's rooms here at once, with that reason, rather than
-        at their timeout."""
+        """A bootstrap connection this prefill refused (the channel logged it):
+        counted, and one refused over the cluster secret hears why, which fails that
+        decode daemon's rooms here at once, with that reason, rather than at their
+        timeout. The reason says nothing a stranger could not know."""
         self.service.count_failure(f"{code.value}:peer-connection")
         if code is not ErrorCode.UNAUTHENTICATED:
             return []
-        refused = PeerRefused(code=code, reason="the connection did not prove this cluster's secret (--cluster-secret-file)")
-        return self.seal.seal([self.codec.encode(refused)])
+        return self.seal.seal([self.codec.encode(PeerRefused(code=code, reason=why))])
+
+    def _link_refused(self, endpoint: str, code: ErrorCode, why: str) -> list[bytes]:
+        """A connection to a prefill that this decode daemon refused (the channel
+        logged it): counted; one that did not prove the cluster secret fails the
+        link's rooms now, naming it. It is told nothing: it proved nothing."""
+        self.service.count_failure(f"{code.value}:peer-connection")
+        if code is ErrorCode.UNAUTHENTICATED:
+            self.service.link_unproven(endpoint, why)
+        return []
 
     def _open_link(self, endpoint: str) -> None:
         cfg = self.config
-        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes, self._prove())
+        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes, self._prover())
         link.on_error = self._peer_handler_failed
         link.on_dropped = self._peer_messages_dropped
-        link.on_refused = self._peer_connection_refused
+        link.on_refused = lambda code, why: self._link_refused(endpoint, code, why)
         link.keep = self.service.still_wanted
         link.start(
             asyncio.get_running_loop(),

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import secrets
+import sys
+import threading
 
 import numpy as np
 
@@ -25,17 +28,107 @@ SHM_DIR = "/dev/shm"
 KV_POOL_PREFIX, AUX_BUFFER_PREFIX = "pdxfer-kv", "pdxfer-aux"  # engines' shared memory is named PREFIX-PID-HEX
 # Fault the pages in at map time rather than inside the first transfers.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# Where a daemon whose transfer engine runs in a process of its own maps host memory
+# (place_mappings_apart): that process maps the same memory at the same addresses
+# (transport/host.py), so both must have them free. The kernel places mappings
+# top-down from just under the stack (0x7f.. here); 32-64 TiB is far below, where
+# neither process puts anything of its own. Left to the kernel, the daemon's pools
+# landed on one of the engine process's own mappings about once in 3,000 registrations.
+APART = (0x2000_0000_0000, 0x4000_0000_0000)
+_APART_ALIGN = 2 << 20
+_placement: "AddressRange | None" = None
+
+
+class AddressRange:
+    """Hands out aligned, never-overlapping address ranges; a range given back is
+    handed out again for a mapping of the same size."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self._next, self._end = start, end
+        self._free: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> int:
+        span = -(-size // _APART_ALIGN) * _APART_ALIGN
+        with self._lock:
+            if self._free.get(span):
+                return self._free[span].pop()
+            if self._next + span > self._end:
+                raise InsufficientCapacity(f"no room left to map {size} more bytes at fixed addresses")
+            address, self._next = self._next, self._next + span + _APART_ALIGN  # a guard gap between mappings
+            return address
+
+    def give(self, address: int, size: int) -> None:
+        span = -(-size // _APART_ALIGN) * _APART_ALIGN
+        with self._lock:
+            self._free.setdefault(span, []).append(address)
+
+
+def place_mappings_apart() -> None:
+    """From now on, shared memory this process maps goes in APART (see there)."""
+    global _placement
+    if _placement is None:
+        _placement = AddressRange(*APART)
+
+
+class _FixedMapping:
+    """Shared memory mapped at an address of ours (mmap.mmap cannot be told one)."""
+
+    def __init__(self, fd: int, size: int, placement: AddressRange) -> None:
+        self.size, self.placement = size, placement
+        for _ in range(8):  # an address taken after all (something else mapped there) is skipped
+            address = placement.take(size)
+            got = libc().mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS | MAP_FIXED_NOREPLACE, fd, 0)
+            if got == address:
+                self.address, self.closed = address, False
+                return
+            if got != MAP_FAILED:  # a kernel before 4.17 took the address as a hint
+                libc().munmap(got, size)
+        raise Unsupported(f"cannot map {size} bytes of shared memory at a fixed address ({os.strerror(ctypes.get_errno())})")
+
+    def buffer(self):
+        self._buffer = (ctypes.c_uint8 * self.size).from_address(self.address)
+        return self._buffer
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if sys.getrefcount(self._buffer) > 2:  # a view of it is alive: unmapping would pull the memory from under it
+            raise BufferError("views of the mapping are still alive")
+        self.closed = True
+        libc().munmap(self.address, self.size)
+        self.placement.give(self.address, self.size)
+
+
+MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: fail with EEXIST rather than replace what is there
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.lru_cache(maxsize=1)
+def libc():
+    """libc with mmap and munmap typed: mmap.mmap cannot be told an address."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _map(fd: int, size: int):
+    if _placement is not None:
+        return _FixedMapping(fd, size, _placement)
+    return mmap.mmap(fd, size, flags=_MAP_FLAGS)
 
 
 class SharedMemory:
     """A shared-memory object mapped read-write into this process."""
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mapping, owner: bool) -> None:
         self.name = name
         self.size = size
         self.owner = owner
-        self._mmap = mapping
-        self.array = np.frombuffer(mapping, dtype=np.uint8)
+        self._mmap = mapping  # an mmap.mmap, or a _FixedMapping
+        self.array = np.frombuffer(mapping.buffer() if isinstance(mapping, _FixedMapping) else mapping, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
 
     @classmethod
@@ -51,7 +144,7 @@ class SharedMemory:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mapping = _map(fd, size)
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=True)
@@ -69,7 +162,7 @@ class SharedMemory:
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise BadMessage(f"shared memory {name!r} has {actual} bytes, but {size} were declared")
-            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mapping = _map(fd, size)
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=False)

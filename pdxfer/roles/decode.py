@@ -4,7 +4,8 @@ digest) verifies against what this side expects (A1, S3).
 
 One link (a wire.bootstrap.PeerLink, opened by the daemon) per prefill bootstrap address. The
 first message on a link, and the first after every re-registration, is a
-PeerHello describing this side's pools. Every link heartbeats; a prefill that stops
+PeerHello describing this side's pools; with a cluster secret it leaves only once the
+prefill proved it holds the secret too (wire.bootstrap), since it says where to write. Every link heartbeats; a prefill that stops
 answering, drops its connection, or answers under a new incarnation is declared dead
 and exactly the rooms on that link fail.
 
@@ -376,6 +377,15 @@ class DecodeService(RoomService):
         link = self.links.get(endpoint)
         if link is not None:
             self._fail_link(link, ErrorCode.UNAUTHENTICATED, f"prefill {endpoint} sent a message this daemon cannot trust: {why}")
+
+    def link_unproven(self, endpoint: str, why: str) -> None:
+        """The link's connection was refused because the prefill did not prove the
+        cluster secret (wire.bootstrap: nothing was sent on it): the link's live rooms
+        fail now, naming the secret, rather than at the bootstrap timeout. As in
+        link_unauthenticated, that is no power a stranger at the address lacked."""
+        link = self.links.get(endpoint)
+        if link is not None:
+            self._fail_link(link, ErrorCode.UNAUTHENTICATED, f"prefill {endpoint}: {why}")
 
     def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str) -> None:
         for room_id in list(link.rooms):

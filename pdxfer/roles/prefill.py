@@ -9,10 +9,16 @@ only when the decode daemon acknowledged its stamp (A1).
 
 Decode daemons heartbeat every link; one that stays silent for heartbeat_misses
 intervals, or says hello again under the same name with a new incarnation, is
-declared dead and exactly its rooms fail. No block of a room is submitted after its
-lease (the transfer timeout, counted from when its writes start), nor after the newest
-leave to write its decode daemon gave (protocol.Heartbeat): that is what lets the
-decode side release a dead or cut-off writer's destination after a bound of its own.
+declared dead and exactly its rooms fail. So is one to which a write fails while its
+bootstrap connection is closed: a killed daemon's connection resets and the writes to
+it fail within a moment, which ends its rooms then, not at the heartbeat bound. Either
+alone proves nothing: a daemon that lives reconnects, and a write that fails to a
+daemon still connected is written again (pump.py).
+
+No block of a room is submitted after its lease (the transfer timeout, counted from
+when its writes start), nor after the newest leave to write its decode daemon gave
+(protocol.Heartbeat): that is what lets the decode side release a dead or cut-off
+writer's destination after a bound of its own.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
-from ..transport import Job, Peer, primary
+from ..transport import Job, Peer, label, primary
 from .base import RoomService
 from .pools import compat
 
@@ -116,6 +122,7 @@ class PrefillService(RoomService):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.peers: dict[bytes, DecodePeer] = {}
+        self.connected: set[bytes] = set()  # identities with a bootstrap connection now (wire.bootstrap)
         self.work: dict[int, PrefillWork] = {}
         self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
         self.send_peer = lambda identity, message: None
@@ -470,6 +477,26 @@ class PrefillService(RoomService):
             self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
 
     # --- peer health
+
+    def on_connection(self, identity: bytes, event: str) -> None:
+        """A decode daemon's bootstrap connection came (it proved its identity) or went."""
+        if event == "connected":
+            self.connected.add(identity)
+            return
+        self.connected.discard(identity)
+        peer = self.peers.get(identity)
+        if peer is not None:
+            log.info("decode daemon %s's bootstrap connection closed: its %d rooms here fail if a write to it fails before it is back",
+                     peer.hello.name or peer.label, len(peer.rooms), extra={"peer": peer.label})
+
+    def write_failed(self, sessions: Peer) -> None:
+        """A write to the transfer sessions ``sessions`` failed (the pump writes it
+        again). To a decode daemon whose bootstrap connection is closed too, that is
+        proof enough that it is gone: its rooms fail now, and their jobs are cancelled
+        (their writes in flight still settle before a room counts as fenced)."""
+        for peer in [p for p in self.peers.values() if p.sessions == sessions and p.identity not in self.connected]:
+            self.declare_dead(peer, f"decode daemon {peer.hello.name or peer.label}: its bootstrap connection closed and a "
+                                    f"write to its transfer engine ({label(sessions)}) failed")
 
     def tick(self) -> None:
         super().tick()

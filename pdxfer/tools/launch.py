@@ -48,6 +48,14 @@ class DaemonProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop (SIGSTOP) or resume (SIGCONT) the daemon and its transfer engine's
+        process together, as a paused host or cgroup would: the engine's writes wait
+        with the daemon."""
+        pids = {self.pid, self.ready.get("engine_pid") or self.pid}
+        for pid in sorted(pids, reverse=not frozen):
+            os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def terminate(self) -> None:
         """Ask the daemon to shut down (SIGTERM), without waiting. Once: a second
         SIGTERM during its shutdown ends it at once."""

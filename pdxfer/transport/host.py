@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import array
 import ctypes
-import ctypes.util
 import errno
 import logging
+import mmap
 import os
 import select
 import signal
 import socket
 import sys
-import time
 from collections import deque
 
 import msgspec
 import numpy as np
 
+from ..host import memory
 from . import Peer, Status
 
 log = logging.getLogger("pdxfer.transport.host")
@@ -107,9 +107,6 @@ class Settled(msgspec.Struct, tag=True, array_like=True):
 Request = Start | Register | Unregister | Submit | Probe | Reset
 Answer = Reply | Settled
 
-_PROT_RW = 0x1 | 0x2
-_MAP_SHARED, _MAP_FIXED_NOREPLACE, _MAP_POPULATE = 0x01, 0x100000, 0x8000
-_MAP_FAILED = ctypes.c_void_p(-1).value
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PR_SET_PDEATHSIG = 1
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor a message
@@ -117,14 +114,6 @@ _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor a mes
 
 class AddressTaken(Exception):
     pass
-
-
-def _libc():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
 
 
 def page_span(address: int, length: int) -> tuple[int, int]:
@@ -138,14 +127,15 @@ class Mappings:
     """This process's copies of the daemon's regions, at the daemon's addresses."""
 
     def __init__(self) -> None:
-        self._libc = _libc()
+        self._libc = memory.libc()
         self._mapped: dict[int, tuple[int, int]] = {}  # daemon address -> (page start, page length)
 
     def map(self, region: Region, fd: int) -> None:
         start, length = page_span(region.address, region.length)
         offset = region.offset - (region.address - start)
-        got = self._libc.mmap(start, length, _PROT_RW, _MAP_SHARED | _MAP_FIXED_NOREPLACE | _MAP_POPULATE, fd, offset)
-        if got == _MAP_FAILED:
+        flags = mmap.MAP_SHARED | memory.MAP_FIXED_NOREPLACE | mmap.MAP_POPULATE
+        got = self._libc.mmap(start, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+        if got == memory.MAP_FAILED:
             err = ctypes.get_errno()
             if err == errno.EEXIST:
                 raise AddressTaken(f"{start:#x}+{length:#x}")
@@ -298,7 +288,7 @@ class Host:
 
 def main() -> None:
     # The daemon's end of the pair is fd 3 (isolated.py passes it); this process dies with the daemon.
-    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    memory.libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     sock = socket.socket(fileno=int(sys.argv[1]))
     if os.getppid() == 1:  # the daemon died before we could ask to die with it
         return

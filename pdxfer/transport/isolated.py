@@ -29,7 +29,7 @@ import numpy as np
 from ..core.config import Config
 from ..core.errors import Unsupported
 from ..host.cpu_yield import normal_policy
-from ..host.memory import SharedMemory
+from ..host.memory import SharedMemory, place_mappings_apart
 from . import Peer, Status
 from .host import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Reset, Settled, Start, Submit, Unregister
 from .mooncake import PROBE_TIMEOUT, SCRATCH_BYTES
@@ -101,6 +101,7 @@ class IsolatedTransport:
     # --- lifecycle
 
     def start(self) -> Peer:
+        place_mappings_apart()  # where the engine's process has nothing of its own either
         self._scratch = SharedMemory.create(SCRATCH_BYTES, prefix="pdxfer-scratch")
         self.scratch = self._scratch.address
         with self._lifecycle:

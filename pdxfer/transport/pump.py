@@ -18,9 +18,15 @@ A session can also wedge: after an over-limit batch this engine sometimes leaves
 every later write to that peer pending, never done nor failed. When no write to a
 peer completes for ``stall_timeout`` seconds while some are in flight, the jobs with
 writes in flight fail as *abandoned* (a wedged write might still land, so their rooms
-fence only by lease), the transport is re-created, and the peer's queued jobs go on
-through the new session. A big block gets longer: stall_timeout plus its size at
-STALL_MIN_RATE.
+wait for another proof of fencing), the transport is re-created, and the peer's queued
+jobs go on through the new session. A big block gets longer: stall_timeout plus its
+size at STALL_MIN_RATE. Only time the pump was awake counts: a process frozen with its
+engine resumes with its writes as they were.
+
+Every failed write, and every failed probe, is also told to ``on_write_failed(sessions)``
+on the event loop, once per peer per round: a write that fails to a decode daemon whose
+bootstrap connection also closed is evidence that it is gone (prefill.py), and its rooms
+need not wait for the retries, the probe and a reset of the transport to fail.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ IDLE_POLL_MIN, IDLE_POLL_MAX = 0.00002, 0.0002
 BULK_POLL_MIN, BULK_POLL_MAX = 0.0001, 0.001
 RETRY_BUDGET = 16  # failure episodes (a failed write, then a probe) a job may outlive
 STALL_MIN_RATE = 50e6  # bytes/s: a write slower than this counts as stalled (big blocks get longer)
+STOOD_STILL = 0.1  # seconds between two rounds past which the pump is taken to have stood still
 
 
 @dataclass(eq=False)
@@ -65,11 +72,20 @@ class _Peer:
 
 
 class TransferPump:
-    def __init__(self, transport: Transport, window: int, loop: asyncio.AbstractEventLoop, stall_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        window: int,
+        loop: asyncio.AbstractEventLoop,
+        stall_timeout: float = 5.0,
+        *,
+        on_write_failed: Callable[[Peer], None],  # runs on the event loop
+    ) -> None:
         self.transport = transport
         self.window = window
         self.loop = loop
         self.stall_timeout = stall_timeout
+        self.on_write_failed = on_write_failed
         self.on_reset: Callable[[Peer], None] = lambda sessions: None  # runs on the event loop
         self.blocks_submitted = 0
         self.bytes_done = 0
@@ -82,9 +98,11 @@ class TransferPump:
         self._thread: threading.Thread | None = None
         self._peers: dict[Peer, _Peer] = {}
         self._finished: list[Job] = []  # settled this round, to hand to the event loop
+        self._failed_to: set[Peer] = set()  # peers a write or probe failed to this round, to tell the event loop
         self._cancels = False  # a job was cancelled since the last round
         self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
         self._cuts: list[concurrent.futures.Future] = []  # operator cuts waiting for nothing in flight
+        self._last_round = time.monotonic()
 
     def start(self) -> None:
         # At the normal policy even in a daemon that yields the cores (cpu_yield.py):
@@ -171,6 +189,7 @@ class TransferPump:
             self._cancels = False
             progressed |= self._drop_cancelled()
         now = time.monotonic()
+        self._skip_time_stood_still(now)
         for sessions, peer in self._peers.items():
             progressed |= self._drain(peer)
             if peer.in_flight and self._is_stalled(peer, now) and not self._reset_wanted:
@@ -191,6 +210,18 @@ class TransferPump:
             self._cut()
             progressed = True
         return progressed
+
+    def _skip_time_stood_still(self, now: float) -> None:
+        """A stall is judged on time the pump was awake. Rounds come a millisecond apart
+        while writes are in flight; a longer gap means this process stood still (SIGSTOP,
+        a paused host, starvation) and, most often, its transfer engine with it. Writes
+        then had no time to complete, and abandoning them as stalled would leave their
+        rooms' decode sides waiting for a proof of fencing that never comes."""
+        gap, self._last_round = now - self._last_round, now
+        if gap > STOOD_STILL:
+            for peer in self._peers.values():
+                if peer.in_flight:
+                    peer.progress_at += gap
 
     def _cut(self) -> None:
         cuts, self._cuts = self._cuts, []
@@ -270,6 +301,7 @@ class TransferPump:
         """A block was refused or failed: write it again if the job's budget allows
         (nothing was or will be written twice to another place), else fail the job."""
         self.failed_writes += 1
+        self._failed_to.add(sessions)
         first = not peer.suspect  # the first failure of an episode; the rest share its cause
         if first:
             peer.window = max(1, peer.window // 2)
@@ -312,6 +344,7 @@ class TransferPump:
         if not peer.probe or self.transport.probe(sessions, peer.probe):
             peer.suspect = False
             return
+        self._failed_to.add(sessions)
         log.warning("probe of the transfer session to %s failed; re-creating the transport", label(sessions))
         self._reset_wanted = sessions
 
@@ -326,6 +359,7 @@ class TransferPump:
             peer.window = self.window
             log.warning("transfer session to %s works again after the reset", label(sessions))
             return
+        self._failed_to.add(sessions)
         reason = f"transfer session to {label(sessions)} is broken: a probe failed even after re-creating the transport"
         log.error("%s; failing its queued jobs", reason)
         for job in peer.jobs:
@@ -353,6 +387,11 @@ class TransferPump:
         return dropped
 
     def _flush(self) -> None:
+        # Failures first: rooms failed for their peer's death fail with that reason,
+        # not with the error of a job settled in the same round.
+        if self._failed_to:
+            self.loop.call_soon_threadsafe(_report, self.on_write_failed, self._failed_to)
+            self._failed_to = set()
         if self._finished:
             self.loop.call_soon_threadsafe(_deliver, self._finished)
             self._finished = []
@@ -377,6 +416,14 @@ class TransferPump:
             job.in_flight = 0
             job.queued = False
             self._finished.append(job)
+
+
+def _report(on_write_failed: Callable[[Peer], None], peers: set[Peer]) -> None:
+    for sessions in peers:
+        try:
+            on_write_failed(sessions)
+        except Exception:
+            log.exception("handling a failed write to %s failed", label(sessions))
 
 
 def _deliver(jobs: list[Job]) -> None:

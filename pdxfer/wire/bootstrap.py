@@ -6,27 +6,43 @@ costs here: each of its messages wakes an I/O thread on each side besides the tw
 loops. A round trip between two processes on this project's 2-core VM took 106-144 us
 and 56-74 us of the caller's CPU over ZMQ, 14 us and ~20 us over a plain socket.
 
-A connection starts with PREAMBLE from the connecting side. The accepting side
-answers with a challenge (one message of one frame: NONCE_BYTES random bytes, new for
-every connection), and the connecting side with one message of two frames: its
-identity and a proof, which with a cluster secret is seal.Seal.prove of the challenge
-and the identity, and without one is empty. Every message after that is a batch as
-on ZMQ (an envelope frame and 1 to MAX_BATCH payload frames, see seal.Seal). A message
-is laid out as ``u32 frame count``, one ``u32 length`` per frame, then the frames
-(little-endian).
+A connection starts with PREAMBLE from the connecting side (a decode daemon). The
+accepting side (a prefill daemon) answers with a challenge (one message of one frame:
+NONCE_BYTES random bytes, new for every connection); the connecting side with one
+message of three frames: its identity, a proof, and a challenge of its own (NONCE_BYTES,
+new for every connection); the accepting side with one message of one frame, its own
+proof, or with a refusal (a batch saying why, then the close). With a cluster secret
+the connecting side's proof is seal.Seal.prove of the first challenge and the identity,
+and the accepting side's is seal.Seal.prove_reply of both challenges and the identity;
+without one both are empty. Every message after that is a batch as on ZMQ (an envelope
+frame and 1 to MAX_BATCH payload frames, see seal.Seal). A message is laid out as
+``u32 frame count``, one ``u32 length`` per frame, then the frames (little-endian).
 
-An identity is proven, not claimed: the accepting side hears nothing a connection
-says before its proof verifies, and only then may that connection replace an older
-one under the same identity. Identities are incarnations, which every envelope
-carries in plain text; were a claim enough, anyone who can reach the port could
-disconnect a decode daemon and fail its rooms. A recorded answer is worth nothing on
-another connection, whose challenge differs. Without a secret there is nothing to
-prove with: an identity is then only claimed, as before this handshake.
+Both sides prove the secret. An identity is proven, not claimed: the accepting side
+hears nothing a connection says before its proof verifies, and only then may that
+connection replace an older one under the same identity. Identities are incarnations,
+which every envelope carries in plain text; were a claim enough, anyone who can reach
+the port could disconnect a decode daemon and fail its rooms. And the connecting side
+sends nothing, not even what was posted before it connected, until the accepting
+side's proof verifies: its first message (peer_hello) names the memory a prefill may
+write and the transfer-engine sessions to write it through, which a process that took
+the prefill's address (a wrong address, a spoofed name, a stranger on the port) must
+not learn. Each proof covers a challenge the other side chose, so an answer or a reply
+recorded on another connection is worth nothing there; the reply's own tag keeps a
+connecting side's proof, sent back to it, from passing for one. A process that relays
+a connection to the real prefill still reads what crosses it: the channel is signed,
+not encrypted (README, Security).
+
+Without a secret there is nothing to prove with: identities are only claimed, and
+either side believes whoever answers, as before this handshake. A secret on one side
+only is refused by the side that has it and, where it can tell, by the other: an
+accepting side without one refuses an answer that carries a proof (after its empty
+reply, which tells the other side that it has none).
 
 A frame over twice the size limit, a stream that does not start with PREAMBLE, a
-handshake answer of another shape, a proof that does not verify, or no answer within
-HANDSHAKE_SECONDS closes the connection, logged (RefusalLog) and told to the owner's
-``on_refused``; everything else is the caller's to judge, as before.
+handshake message of another shape, a proof that does not verify or cannot be checked,
+or no handshake within HANDSHAKE_SECONDS closes the connection, logged (RefusalLog) and
+told to the owner's ``on_refused``; everything else is the caller's to judge, as before.
 proto/PROTOCOL.md says the same.
 """
 
@@ -40,7 +56,7 @@ import secrets
 import socket
 import struct
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..core.errors import BadMessage
 from ..core.protocol import ErrorCode
@@ -48,20 +64,29 @@ from .batch import MAX_BATCH, Dropped, Head, Outbox, no_head
 
 log = logging.getLogger("pdxfer.peer_channel")
 
-PREAMBLE = b"PDXF\x00\x02"  # magic and this framing's version (2: the challenge and proof)
+PREAMBLE = b"PDXF\x00\x03"  # magic and this framing's version (2: the challenge and proof; 3: both sides prove)
 MAX_FRAMES = 4 * MAX_BATCH  # more than a batch may hold, so the receiver can say so in a reply
 MAX_IDENTITY = 255
-NONCE_BYTES = 16  # of a challenge: never repeated in practice, so no answer can be replayed
+NONCE_BYTES = 16  # of a challenge: never repeated in practice, so no answer or reply can be replayed
 # Between a lost or refused connection and the next try (ZMQ's default). Not backed
 # off: a connection reset by a flaky network looks like one refused by a peer, and a
 # link that waited seconds after the network healed would miss its heartbeats.
 RECONNECT_SECONDS = 0.1
 REFUSAL_LOG_SECONDS = 10.0  # refusals of one kind are logged once per this, with a count
 CONNECT_TIMEOUT = 2.0  # a connect whose SYN is lost tries again after this, not the kernel's ~2 min
-HANDSHAKE_SECONDS = 10.0  # a connection whose challenge is not answered (or sent) by then is closed (ZMQ: 30 s)
+HANDSHAKE_SECONDS = 10.0  # a connection whose handshake is not done by then is closed (ZMQ: 30 s)
 _COUNT = struct.Struct("<I")
 
-Prove = Callable[[bytes, bytes], bytes]  # (challenge, identity) -> proof: seal.Seal.prove
+
+
+class Prover(Protocol):
+    """What proves a cluster secret in the handshake: seal.Seal, given a secret."""
+
+    def prove(self, nonce: bytes, identity: bytes) -> bytes: ...
+
+    def prove_reply(self, nonce: bytes, counter: bytes, identity: bytes) -> bytes: ...
+
+
 Refused = Callable[[ErrorCode, str], list[bytes]]  # (code, why) -> a last message for the refused connection, or []
 
 
@@ -140,7 +165,8 @@ class _Connection(asyncio.Protocol):
     """One TCP connection of either side (``owner``: its PeerServer or PeerLink, which
     gets each message as ``received(connection, frames)``): deframes what arrives and
     writes batches, refusing one that would put its send buffer past ``queue_bytes``.
-    The accepted side checks the preamble, then sends the challenge (``nonce``)."""
+    The accepted side checks the preamble, then sends the challenge (``nonce``); the
+    owners carry out the rest of the handshake."""
 
     def __init__(self, name: str, max_bytes: int, owner, lost: asyncio.Future, preamble: bool) -> None:
         self.name = name
@@ -212,20 +238,23 @@ class _Connection(asyncio.Protocol):
 
 class PeerServer:
     """A prefill daemon's bootstrap endpoint. ``on_message(identity, frames)`` gets
-    each message of each identified connection; ``post(identity, payload)`` queues a
+    each message of each identified connection, and ``on_connection(identity,
+    'connected' | 'disconnected')`` hears when a connection takes an identity and when
+    the one holding it is lost (not when another takes it over: the identity is still
+    connected). ``post(identity, payload)`` queues a
     reply (see batch.Outbox); one to an identity not connected, or past a full send
-    buffer, is dropped and ``on_dropped`` hears of it. With ``prove`` (a cluster
-    secret), a connection takes an identity only with its proof; without, on its
-    claim. A connection that took an identity already connected replaces that
-    connection (a decode daemon that reconnected). ``on_refused(code, why)`` hears of
-    each connection refused (also logged) and returns a last message to write to it
-    before it closes, or []."""
+    buffer, is dropped and ``on_dropped`` hears of it. With ``prover`` (a cluster
+    secret), a connection takes an identity only with its proof, and is then sent
+    this side's; without, on its claim. A connection that took an identity already
+    connected replaces that connection (a decode daemon that reconnected).
+    ``on_refused(code, why)`` hears of each connection refused (also logged) and
+    returns a last message to write to it before it closes, or []."""
 
-    def __init__(self, host: str, port: int, max_bytes: int, prove: Prove | None = None) -> None:
+    def __init__(self, host: str, port: int, max_bytes: int, prover: Prover | None = None) -> None:
         self.host = host
         self.port = port
         self.max_bytes = max_bytes
-        self.prove = prove
+        self.prover = prover
         self.bound = ""
         self.on_error: Callable[[], None] = lambda: None  # a message handler raised (logged too)
         self.on_dropped: Dropped = lambda to, payloads: None
@@ -237,11 +266,18 @@ class PeerServer:
         self._outbox = Outbox(self._send_batch)
         self._head: Head = no_head
         self._on_message: Callable[[bytes, list[bytes]], None] = lambda identity, frames: None
+        self._on_connection: Callable[[bytes, str], None] | None = None
 
-    async def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = no_head) -> str:
+    async def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[bytes, list[bytes]], None],
+        on_connection: Callable[[bytes, str], None],
+        head: Head = no_head,
+    ) -> str:
         """Bind (port 0: any free port) and return the bound ``tcp://host:port``;
         connections are accepted only from ``serve()`` on."""
-        self._on_message, self._head, self._outbox.loop = on_message, head, loop
+        self._on_message, self._on_connection, self._head, self._outbox.loop = on_message, on_connection, head, loop
         self._server = await loop.create_server(self._accept, self.host, self.port, start_serving=False)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.bound = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
@@ -263,19 +299,41 @@ class PeerServer:
         if conn.identity is not None:
             self._on_message(conn.identity, frames)
             return
-        if len(frames) != 2 or not 1 <= len(frames[0]) <= MAX_IDENTITY:
+        if len(frames) != 3 or not 1 <= len(frames[0]) <= MAX_IDENTITY or len(frames[2]) != NONCE_BYTES:
             sizes = ", ".join(str(len(f)) for f in frames[:4])
-            conn.refuse(f"its first message must be its identity (1 to {MAX_IDENTITY} bytes) and a proof, not {len(frames)} frames ({sizes} bytes)")
+            conn.refuse(f"its first message must be its identity (1 to {MAX_IDENTITY} bytes), a proof and a challenge of "
+                        f"{NONCE_BYTES} bytes, not {len(frames)} frames ({sizes} bytes)")
             return
-        identity, proof = frames
-        if self.prove is not None and not hmac.compare_digest(proof, self.prove(conn.nonce, identity)):
-            conn.refuse(f"it named itself {identity[:64]!r} without proof of this cluster's secret", ErrorCode.UNAUTHENTICATED)
+        identity, proof, counter = frames
+        # The reasons name the roles: the last message the owner sends a refused
+        # connection may quote them to the decode daemon at the other end.
+        who = f"decode daemon {identity[:64]!r}"
+        if self.prover is None:
+            if proof:
+                # Our empty reply goes first, as to anyone: it tells that daemon which
+                # side lacks the secret. It would refuse us; we refuse it too, so that
+                # this side logs and counts it.
+                conn.transport.write(encode([b""]))
+                conn.refuse(f"{who} answered with a proof of a cluster secret (--cluster-secret-file), and the prefill has none",
+                            ErrorCode.UNAUTHENTICATED)
+                return
+            reply = b""
+        elif not proof:
+            conn.refuse(f"{who} gave no proof: the prefill has a cluster secret (--cluster-secret-file), the decode has none", ErrorCode.UNAUTHENTICATED)
             return
+        elif not hmac.compare_digest(proof, self.prover.prove(conn.nonce, identity)):
+            conn.refuse(f"{who} gave no proof of the prefill's cluster secret (--cluster-secret-file): it has another one, "
+                        "or it is no daemon of this cluster", ErrorCode.UNAUTHENTICATED)
+            return
+        else:
+            reply = self.prover.prove_reply(conn.nonce, counter, identity)
+        conn.transport.write(encode([reply]))  # before anything posted to the identity it now holds
         conn.identity = identity
         older = self._by_identity.get(conn.identity)
         self._by_identity[conn.identity] = conn
         if older is not None:
             older.transport.abort()
+        self._tell(identity, "connected")
 
     def _check_named(self, conn: _Connection) -> None:
         if conn.identity is None and conn in self._open:
@@ -285,6 +343,14 @@ class PeerServer:
         self._open.discard(conn)
         if conn.identity is not None and self._by_identity.get(conn.identity) is conn:
             del self._by_identity[conn.identity]
+            self._tell(conn.identity, "disconnected")
+
+    def _tell(self, identity: bytes, event: str) -> None:
+        try:
+            self._on_connection(identity, event)
+        except Exception:
+            self.on_error()
+            log.exception("%s: handling a connection change of %r failed", self.bound, identity)
 
     def post(self, identity: bytes, payload: bytes) -> None:
         self._outbox.post(payload, identity)
@@ -322,24 +388,32 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 class PeerLink:
     """A decode daemon's link to one prefill daemon's bootstrap endpoint. It connects,
-    answers the challenge (with ``prove``'s proof of a cluster secret, or an empty one),
-    and reconnects RECONNECT_SECONDS after losing the connection, for as long as it is
-    open; ``on_connection('connected' | 'disconnected')`` hears of each change: a
-    connection counts once its challenge is answered. Messages posted while it is not
-    connected wait for the next connection, up to a bound; past it, or past a full
-    send buffer, they are dropped and ``on_dropped`` hears of them. What was buffered
-    on a connection that dropped is lost. ``on_refused`` is as on PeerServer."""
+    answers the challenge (with ``prover``'s proof of a cluster secret, or an empty
+    one) with a challenge of its own, checks the reply (with ``prover``: that it proves
+    the secret too), and reconnects RECONNECT_SECONDS after losing the connection, for
+    as long as it is open; ``on_connection('connected' | 'disconnected')`` hears of each
+    change: a connection counts once the reply checked out, and nothing is sent on it
+    before. A refusal that comes in the reply's place is handed to ``on_message``
+    when there is no secret to check it by (it says why); with one, it is refused like
+    a reply that does not verify. Messages posted while it is not connected wait for
+    the next connection, up to a bound; past it, or past a full send buffer, they are
+    dropped and ``on_dropped`` hears of them. What was buffered on a connection that
+    dropped is lost. ``on_refused`` is as on PeerServer."""
 
-    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prove: Prove | None = None) -> None:
+    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prover: Prover | None = None) -> None:
         self.endpoint = endpoint
         self.host, self.port = split_endpoint(endpoint)
         self.identity = identity
         self.max_bytes = max_bytes
-        self.prove = prove
+        self.prover = prover
         self.on_error: Callable[[], None] = lambda: None  # a handler raised (logged too)
         self.on_refused: Refused = lambda code, why: []
         self.refusals = RefusalLog(log)
-        self._challenge: asyncio.Future | None = None  # of the connection being set up
+        # The connection in its handshake, and what it learnt so far.
+        self._setup: _Connection | None = None
+        self._outcome: asyncio.Future | None = None  # True once taken, False once refused
+        self._challenge = b""  # the prefill's
+        self._counter = b""  # ours
         self._outbox = Outbox(self._send_batch)
         self._head: Head = no_head
         self._conn: _Connection | None = None
@@ -373,39 +447,33 @@ class PeerLink:
                 log.debug("%s: cannot connect: %s", self.endpoint, exc)
                 await asyncio.sleep(RECONNECT_SECONDS)
                 continue
-            answered = False
+            taken = False
             try:
-                answered = await self._answer(conn, lost)
-                if answered:
-                    self._conn = conn
-                    waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
-                    for payloads in waiting:
-                        if payloads := [p for p in payloads if self.keep(p)]:
-                            self._send_batch(None, payloads)
-                    self._tell("connected")
+                taken = await self._handshake(conn, lost)
+                if taken:
                     await lost
             finally:  # also when close() cancels this task: the connection goes with it
                 conn.transport.close()
-                self._conn = self._challenge = None
-            if answered:
+                self._conn = self._setup = self._outcome = None
+            if taken:
                 self._tell("disconnected")
             await asyncio.sleep(RECONNECT_SECONDS)
 
-    async def _answer(self, conn: _Connection, lost: asyncio.Future) -> bool:
-        """Open with the preamble, wait for the challenge and answer it; whether the
-        challenge came (a connection closed or refused before it did is given up)."""
-        self._challenge = challenge = asyncio.get_running_loop().create_future()
+    async def _handshake(self, conn: _Connection, lost: asyncio.Future) -> bool:
+        """Open with the preamble; ``received`` answers the challenge and checks the
+        reply. Whether the connection was taken (one closed, refused or silent first
+        is given up)."""
+        self._outcome = outcome = asyncio.get_running_loop().create_future()
+        self._setup = conn
+        self._challenge = self._counter = b""
         conn.transport.write(PREAMBLE)
-        await asyncio.wait([challenge, lost], timeout=HANDSHAKE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-        if not challenge.done():
-            if not lost.done():
-                conn.refuse(f"it sent no challenge within {HANDSHAKE_SECONDS:g}s (a daemon of an older framing?)")
-            return False
-        proof = self.prove(challenge.result(), self.identity) if self.prove is not None else b""
-        # Nothing awaits between this and the caller's taking the connection: what
-        # arrives next is an answer to it, never a challenge.
-        conn.transport.write(encode([self.identity, proof]))
-        return True
+        await asyncio.wait([outcome, lost], timeout=HANDSHAKE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        if outcome.done():
+            return outcome.result()
+        if not lost.done():
+            step = "a reply to its answer" if self._challenge else "a challenge"
+            conn.refuse(f"it sent no {step} within {HANDSHAKE_SECONDS:g}s (a daemon of an older framing?)")
+        return False
 
     def _tell(self, event: str) -> None:
         try:
@@ -418,11 +486,55 @@ class PeerLink:
         if conn is self._conn:
             self._on_message(frames)
             return
-        challenge = self._challenge
-        if challenge is None or challenge.done() or len(frames) != 1 or len(frames[0]) != NONCE_BYTES:
-            conn.refuse(f"its first message must be a challenge of {NONCE_BYTES} bytes, and nothing may come before it is answered")
+        outcome = self._outcome
+        if conn is not self._setup or outcome is None or outcome.done():
+            conn.refuse("it sent a message on a connection this side has given up")
             return
-        challenge.set_result(frames[0])
+        if not self._challenge:
+            if len(frames) != 1 or len(frames[0]) != NONCE_BYTES:
+                conn.refuse(f"its first message must be a challenge of {NONCE_BYTES} bytes, and nothing may come before it is answered")
+                return
+            self._challenge, self._counter = frames[0], secrets.token_bytes(NONCE_BYTES)
+            proof = self.prover.prove(self._challenge, self.identity) if self.prover is not None else b""
+            conn.transport.write(encode([self.identity, proof, self._counter]))
+            return
+        why = self._check_reply(frames)
+        if why:
+            outcome.set_result(False)
+            conn.refuse(why, ErrorCode.UNAUTHENTICATED)
+        elif len(frames) != 1:  # a refusal, and no secret to check it by: its reason is the owner's to read
+            outcome.set_result(False)
+            conn.transport.abort()
+            self._on_message(frames)
+        else:
+            outcome.set_result(True)
+            self._take(conn)
+
+    def _check_reply(self, frames: list[bytes]) -> str:
+        """Why the prefill's reply to our answer does not prove our secret; "" when it
+        does, or when there is no secret to prove."""
+        if self.prover is None:
+            return ""
+        if len(frames) != 1:
+            return (f"it refused this daemon's proof and gave none of its own ({len(frames)} frames where its proof should be): "
+                    "the two have different cluster secrets (--cluster-secret-file), or it is not the prefill daemon")
+        if not frames[0]:
+            return "it gave no proof: the prefill has no cluster secret (--cluster-secret-file), the decode has one"
+        if not hmac.compare_digest(frames[0], self.prover.prove_reply(self._challenge, self._counter, self.identity)):
+            return ("it gave no proof of this cluster's secret (--cluster-secret-file): it has another one, or it is not "
+                    "the prefill daemon (a wrong address, or another process on its port)")
+        return ""
+
+    def _take(self, conn: _Connection) -> None:
+        """The reply checked out (without a secret: it came): what waited goes first,
+        then everything else. Done while the reply is read, so that a message right
+        behind it finds the connection taken."""
+        self._conn = conn
+        waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
+        for payloads in waiting:
+            if payloads := [p for p in payloads if self.keep(p)]:
+                self._send_batch(None, payloads)
+        self._tell("connected")
 
     def post(self, payload: bytes) -> None:
         self._outbox.post(payload)

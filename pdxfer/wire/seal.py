@@ -14,7 +14,8 @@ from ..core.protocol import UNDECODABLE, Envelope
 from .batch import MAX_BATCH
 
 MAC_BYTES = 16
-HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"
+HANDSHAKE_TAG = b"pdxfer bootstrap handshake\0"  # the connecting side's proof
+HANDSHAKE_REPLY_TAG = b"pdxfer bootstrap handshake reply\0"  # the accepting side's: differs at byte 26
 MIN_SECRET_BYTES = 16
 
 
@@ -56,6 +57,13 @@ class Seal:
         ever being a daemon's envelope mac (those start with its hex incarnation); the
         nonce has a fixed size, so nonce and identity cannot be re-cut."""
         return hmac.new(self.secret, HANDSHAKE_TAG + nonce + identity, hashlib.sha256).digest()[:MAC_BYTES]
+
+    def prove_reply(self, nonce: bytes, counter: bytes, identity: bytes) -> bytes:
+        """Proof that the side that sent challenge ``nonce``, and was answered with
+        ``identity`` and challenge ``counter``, holds this secret (see bootstrap.py).
+        Its own tag: a connecting side's proof, sent back to it, is never a valid
+        reply; both nonces have a fixed size, so nothing can be re-cut."""
+        return hmac.new(self.secret, HANDSHAKE_REPLY_TAG + nonce + counter + identity, hashlib.sha256).digest()[:MAC_BYTES]
 
     def envelope(self, payloads: list[bytes]) -> bytes:
         mac = self._mac(self.incarnation, payloads) if self.secret else b""

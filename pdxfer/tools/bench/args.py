@@ -32,9 +32,9 @@ or failed room is reported and the command exits 1. A run maps a source and a
 destination pool at once: sizes whose pools would not fit in shared memory are
 refused before anything starts (exit 2). Figures are medians over --repeat runs;
 each workload prints GB/s, rooms/s, p50/p90/p99 time to Success, blocks per room,
-CPU seconds per GB of the two byte-moving processes (pdxfer: the daemons), pdxfer's
-engine processes' CPU per room besides, the byte-movers' resident memory, and the
-ratio pdxfer/baseline of each (and pdxfer/wire), then
+CPU seconds per GB of the two byte-moving processes (pdxfer: the daemons, each with
+its transfer engine's process), pdxfer's engine processes' CPU per room besides, the
+byte-movers' resident memory, and the ratio pdxfer/baseline of each (and pdxfer/wire), then
 pdxfer/baseline GB/s in each repeat (its runs are neighbours in time; the spread is
 the box's noise), and how many runs' daemons left SCHED_IDLE when other processes
 starved them (--yield-cpu on the daemons). A progress bar runs on stderr."""

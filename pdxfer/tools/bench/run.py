@@ -275,8 +275,9 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
     samples: dict[str, dict] = {}
     try:
         daemons = _start_daemons(runtime, opts)
-        pids = {role: d.pid for role, d in daemons.items()}
-        samples["idle"] = {role: proc_sample(pid) for role, pid in pids.items()}
+        # A daemon is its process and its transfer engine's (--transfer-engine-process child).
+        pids = {role: sorted({d.pid, d.ready.get("engine_pid") or d.pid}) for role, d in daemons.items()}
+        samples["idle"] = {role: _sample(ps) for role, ps in pids.items()}
         sims["prefill"] = _spawn(
             sim_argv("prefill", daemons["prefill"].engine, *flags, "--timings", timing["prefill"]), _log(opts.workdir, "prefill-engine"))
         sims["decode"] = _spawn(
@@ -286,11 +287,11 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         for sim in sims.values():  # pools registered, sources filled
             _await_event(sim, "ready", opts.timeout)
         samples["counters"] = daemon_counters(daemons["prefill"].ready["admin"])
-        samples["before"] = {role: proc_sample(pid) for role, pid in pids.items()}
+        samples["before"] = {role: _sample(ps) for role, ps in pids.items()}
         for sim in sims.values():
             _say(sim, "go")
         summaries = read_events(sims, _on_progress(progress, ("decode",)), timeout=opts.timeout)
-        samples["after"] = {role: proc_sample(pid) for role, pid in pids.items() if daemons[role].alive()}
+        samples["after"] = {role: _sample(ps) for role, ps in pids.items() if daemons[role].alive()}
         if daemons["prefill"].alive():
             samples["counters_after"] = daemon_counters(daemons["prefill"].ready["admin"])
         if daemons["decode"].alive():
@@ -332,6 +333,13 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         for r in pids
     }
     return result
+
+
+def _sample(pids: list[int]) -> dict:
+    """proc_sample of a daemon's processes added up: CPU, and memory (shared pages of
+    the pools both map count twice in VmRSS; RssAnon is each one's own)."""
+    samples = [proc_sample(pid) for pid in pids]
+    return {key: sum(s[key] for s in samples) for key in samples[0]}
 
 
 RUNNERS = {"wire": run_wire, "baseline": run_baseline, "pdxfer": run_pdxfer}
