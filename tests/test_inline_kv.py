@@ -19,7 +19,7 @@ from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWe
 from pdxfer.core.stamp import stamp_for
 from pdxfer.host.memory import SharedMemory
 from pdxfer.ops.inspection import daemon_counters
-from pdxfer.roles.pools import KVPool
+from pdxfer.roles.pools import MappedKV
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import SLACK, engine, free_port, start_room
@@ -60,8 +60,8 @@ def test_gather_then_scatter_puts_every_byte_back_in_its_page(layout):
     kv_layout = small_layout(layout)
     src_mem, dst_mem = SharedMemory.create(pool_bytes(kv_layout)), SharedMemory.create(pool_bytes(kv_layout))
     try:
-        src = KVPool(src_mem, kv_layout, 1, "shm", src_mem.handle)
-        dst = KVPool(dst_mem, kv_layout, 1, "shm", dst_mem.handle)
+        src = MappedKV(src_mem, kv_layout, 1, "shm", src_mem.handle)
+        dst = MappedKV(dst_mem, kv_layout, 1, "shm", dst_mem.handle)
         src_mem.array[:] = np.random.default_rng(3).integers(0, 256, src_mem.size, dtype=np.uint8)
         src_pages, dst_pages = np.array([7, 2, 200]), np.array([5, 90, 6])
         data = src.gather(src_pages)

@@ -53,7 +53,7 @@ from ..core.rooms import Event, Room, RoomTable, Timeouts
 from ..core.slots import SlotState
 from ..host import memory
 from ..transport import Peer
-from .pools import AuxBuffer, KVPool
+from .pools import MappedAux, MappedKV
 
 log = logging.getLogger("pdxfer.service")
 
@@ -87,8 +87,8 @@ class RoomService:
             config.max_rooms,
             Timeouts(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.retention),
         )
-        self.kv: KVPool | None = None
-        self.aux: AuxBuffer | None = None
+        self.kv: MappedKV | None = None
+        self.aux: MappedAux | None = None
         # Replaced mappings, (release time, mapping): writes of the rooms failed with
         # them may still touch them until their lease and fence ran out.
         self.retired: list[tuple[float, object]] = []
@@ -214,7 +214,7 @@ class RoomService:
             raise errors.StaleMemoryVersion(
                 f"re-registering the same pool needs a memory version above {old.version}, got {msg.memory_version}"
             )
-        need = KVPool.required_bytes(msg.layout)
+        need = MappedKV.required_bytes(msg.layout)
         if msg.memory.size < need:
             raise errors.InsufficientCapacity(f"the layout needs {need} bytes but the pool has {msg.memory.size}")
         if same:
@@ -223,11 +223,11 @@ class RoomService:
             mapped = await self._map(msg.memory)
             if old is not None:
                 self._retire(old.memory)
-        self.kv = KVPool(mapped, msg.layout, msg.memory_version, kind, msg.memory)
+        self.kv = MappedKV(mapped, msg.layout, msg.memory_version, kind, msg.memory)
         if same:
-            self._fail_live(f"the engine re-registered its KV pool (memory version {old.version} -> {msg.memory_version})", old.version)
+            self._fail_stale_rooms(f"the engine re-registered its KV pool (memory version {old.version} -> {msg.memory_version})", old.version)
         elif old is not None:
-            self._fail_live("the engine registered a new KV pool (a restarted engine?)")
+            self._fail_stale_rooms("the engine registered a new KV pool (a restarted engine?)")
         log.info("registered KV pool: %s, %d layers, %d pages of %d tokens, memory version %d",
                  msg.layout.layout.value, msg.layout.num_layers, msg.layout.num_pages, msg.layout.page_size, msg.memory_version)
         self.on_kv_registered()
@@ -243,9 +243,9 @@ class RoomService:
         mapped = await self._map(msg.memory)
         if self.aux is not None:
             # The old slots' rooms cannot finish; late writes land in the retired mapping.
-            self._fail_live("the engine registered a new aux buffer (a restarted engine?)")
+            self._fail_stale_rooms("the engine registered a new aux buffer (a restarted engine?)")
             self._retire(self.aux.memory)
-        self.aux = AuxBuffer(mapped, msg.num_slots, msg.slot_bytes)
+        self.aux = MappedAux(mapped, msg.num_slots, msg.slot_bytes)
         log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
         self.on_kv_registered()
         return Ok(req=msg.req)
@@ -273,7 +273,7 @@ class RoomService:
     def on_kv_registered(self) -> None:
         """Hook: the decode role re-announces its pools to its peers."""
 
-    def _fail_live(self, reason: str, version: int | None = None) -> None:
+    def _fail_stale_rooms(self, reason: str, version: int | None = None) -> None:
         """C3: live rooms planned against a replaced registration (all of them, or those
         at or below ``version``) fail before more bytes move."""
         for room in list(self.rooms):
@@ -283,12 +283,12 @@ class RoomService:
     def room_memory_version(self, room: Room) -> int:
         raise NotImplementedError
 
-    def _kv(self) -> KVPool:
+    def _kv(self) -> MappedKV:
         if self.kv is None:
             raise errors.NotRegistered("the engine has not registered its KV pool")
         return self.kv
 
-    def _aux(self) -> AuxBuffer:
+    def _aux(self) -> MappedAux:
         if self.aux is None:
             raise errors.NotRegistered("the engine has not registered its aux buffer")
         return self.aux

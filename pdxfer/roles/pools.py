@@ -16,7 +16,9 @@ from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
 
 @dataclass(eq=False)
-class KVPool:
+class MappedKV:
+    """The engine's KV pool (client.KVPool on the engine's side) as this daemon mapped it."""
+
     memory: object  # memory.SharedMemory / CudaIpcMemory / NpuIpcMemory
     layout: KVLayout
     version: int
@@ -75,8 +77,9 @@ class KVPool:
 
 
 @dataclass(eq=False)
-class AuxBuffer:
-    """num_slots slots of slot_bytes: a stamp header, then the payload."""
+class MappedAux:
+    """The engine's aux buffer (client.AuxBuffer on its side) as this daemon mapped it:
+    num_slots slots of slot_bytes, each a stamp header, then the payload."""
 
     memory: object  # memory.SharedMemory: aux always lives in host memory
     num_slots: int
@@ -117,5 +120,5 @@ class AuxBuffer:
         self.memory.array[start : start + HEADER_BYTES] = 0
 
 
-def compat(kv: KVPool, aux: AuxBuffer) -> Compat:
+def compat(kv: MappedKV, aux: MappedAux) -> Compat:
     return compat_of(kv.layout, aux.slot_bytes)
