@@ -18,7 +18,7 @@ from pdxfer.core.plan import layout_regions, pool_bytes
 from pdxfer.host import cpu_yield
 from pdxfer.host.memory import KV_POOL_PREFIX
 from pdxfer.tools.bench.main import by_repeat, memory_shortfall, planning_figures
-from pdxfer.tools.bench.plan import PLANNING_TIMINGS, SRC_RUN, Plan, RoomPages, Workload, block_counts, make_plan, time_planning
+from pdxfer.tools.bench.plan import DEFAULT_PLACEMENT, PLANNING_TIMINGS, Plan, RoomPages, Workload, block_counts, make_plan, page_order, parse_placement, time_planning
 from pdxfer.tools.bench.report import format_report, targets
 from pdxfer.tools.bench.run import RunResult
 
@@ -74,7 +74,7 @@ def test_blocks_address_the_right_pages():
 
 def test_planned_rooms_coalesce_as_counted_by_hand(tmp_path):
     w = Workload("w", rooms=50, in_flight=4, layers=3, page_size=4, token_bytes=64, min_pages=1, max_pages=12)
-    plan = make_plan(w, seed=5)
+    plan = make_plan(w, seed=5, placement="runs:4")
     expected = [runs(r.src.tolist(), r.dst.tolist()) * 2 * w.layers for r in plan.rooms]
     assert block_counts(plan).tolist() == expected
     # pages never repeat within a plan, on either side, and fit the pools
@@ -82,9 +82,10 @@ def test_planned_rooms_coalesce_as_counted_by_hand(tmp_path):
     dst = np.concatenate([r.dst for r in plan.rooms])
     assert len(set(src.tolist())) == src.size and len(set(dst.tolist())) == dst.size
     assert src.max() < plan.num_pages and dst.max() < plan.num_pages
-    # sources come in runs of SRC_RUN pages, so some rooms coalesce; destinations are scattered
+    # both sides come in runs of 4 pages, so rooms of more than one page coalesce
     assert min(expected) >= 2 * w.layers
-    assert plan.num_pages % SRC_RUN == 0
+    assert sum(expected) < 2 * w.layers * src.size
+    assert plan.num_pages % 4 == 0
     # the file every benchmark process reads gives back the same plan
     plan.save(tmp_path / "plan.npz")
     again = Plan.load(str(tmp_path / "plan.npz"))
@@ -92,7 +93,42 @@ def test_planned_rooms_coalesce_as_counted_by_hand(tmp_path):
     assert [(r.room, r.tokens, r.src.tolist(), r.dst.tolist()) for r in again.rooms] == [
         (r.room, r.tokens, r.src.tolist(), r.dst.tolist()) for r in plan.rooms
     ]
-    assert make_plan(w, seed=5).rooms[7].dst.tolist() == plan.rooms[7].dst.tolist()  # deterministic
+    assert make_plan(w, seed=5, placement="runs:4").rooms[7].dst.tolist() == plan.rooms[7].dst.tolist()  # deterministic
+
+
+@pytest.mark.parametrize("text, run", [("contiguous", 0), ("scattered", 1), ("runs:1", 1), ("runs:16", 16)])
+def test_placement_names_a_run_length(text, run):
+    assert parse_placement(text) == run
+
+
+@pytest.mark.parametrize("text", ["runs", "runs:0", "runs:x", "blocks:4", ""])
+def test_placement_refuses_what_it_cannot_lay_out(text):
+    with pytest.raises(ValueError, match="contiguous, scattered or runs:N"):
+        parse_placement(text)
+
+
+@pytest.mark.parametrize("run", [0, 1, 2, 8])
+def test_page_order_hands_out_every_page_once_in_runs(run):
+    order = page_order(64, run, np.random.default_rng(3)).tolist()
+    assert sorted(order) == list(range(64))
+    starts = [order[i] for i in range(0, 64, max(run, 1))]
+    if run == 0:
+        assert order == list(range(64))
+    else:  # each run is `run` consecutive pages starting at a multiple of `run`
+        assert all(order[i : i + run] == list(range(s, s + run)) and s % run == 0 for i, s in zip(range(0, 64, run), starts))
+    if run == 1:
+        assert order != list(range(64))  # shuffled
+
+
+def test_contiguous_rooms_are_one_block_per_region_and_scattered_ones_a_block_per_page():
+    w = Workload("w", rooms=20, in_flight=4, layers=2, page_size=4, token_bytes=64, min_pages=2, max_pages=6)
+    regions = 2 * w.layers
+    contiguous = make_plan(w, seed=2, placement="contiguous")
+    assert block_counts(contiguous).tolist() == [regions] * w.rooms
+    scattered = make_plan(w, seed=2, placement="scattered")
+    pages = [r.src.size for r in scattered.rooms]
+    counts = block_counts(scattered).tolist()
+    assert all(c <= regions * p for c, p in zip(counts, pages)) and sum(counts) > regions * sum(pages) * 0.8
 
 
 def test_planning_measurement_counts_blocks():
@@ -213,6 +249,9 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
     assert code == 0, err
     assert report["ok"]
     assert set(report["workloads"]) == {"large", "medium", "small", "sweep-1"}  # sweep-8 is small's runs
+    # by default the baseline gets as many transfer engines as each pdxfer daemon, and pages lie in runs
+    assert report["config"]["baseline_engines"] == report["config"]["tcp_engines"] >= 2
+    assert f"pages {DEFAULT_PLACEMENT};" in format_report(report)
     assert report["sweep"] == [{"in_flight": 1, "workload": "sweep-1"}, {"in_flight": 8, "workload": "small"}]
     for name, wl in report["workloads"].items():
         expected = {"baseline", "pdxfer"} | ({"wire"} if name != "sweep-1" else set())

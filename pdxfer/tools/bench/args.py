@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ...core.config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
+from .plan import DEFAULT_PLACEMENT, parse_placement
 
 WORKLOADS = ("large", "medium", "small", "sweep")
 SYSTEMS = ("wire", "baseline", "pdxfer")
@@ -83,6 +84,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def placement(text: str) -> str:
+    try:
+        parse_placement(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to run")
     g.add_argument("--workloads", type=choices_list(WORKLOADS), default=list(WORKLOADS), metavar="LIST",
@@ -147,10 +156,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tcp-engines", type=positive_int, default=TCP_ENGINES, metavar="N",
                    help="the pdxfer daemons' --tcp-engines: transfer engines per daemon, writes spread over them "
                    f"(default: {TCP_ENGINES}, the daemons' default)")
-    g.add_argument("--baseline-engines", type=positive_int, default=1, metavar="N",
+    g.add_argument("--baseline-engines", type=positive_int, default=None, metavar="N",
                    help="transfer engines in each baseline process, writes spread over them as pdxfer's daemons spread "
-                   "theirs; 1 is a raw engine as engine integrations run it, a value equal to --tcp-engines compares "
-                   "pdxfer with raw engines striped the same way: what pdxfer's own path costs (default: 1)")
+                   "theirs (default: as many as --tcp-engines gives each pdxfer daemon, so both use the same engines; "
+                   "1 is a raw engine as engine integrations run it)")
+    g.add_argument("--placement", type=placement, default=DEFAULT_PLACEMENT, metavar="contiguous|scattered|runs:N",
+                   help="how rooms' pages lie in the pools, on both sides, as an engine's allocator hands them out: "
+                   "contiguous (each room one run of pages), scattered (page by page, so nothing coalesces) or in runs "
+                   f"of N consecutive pages (default: {DEFAULT_PLACEMENT})")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

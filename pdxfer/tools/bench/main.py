@@ -188,6 +188,8 @@ def memory_shortfall(needs: dict[str, int], room: int) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.baseline_engines is None:  # the fair default: as many engines as a pdxfer daemon has
+        args.baseline_engines = args.tcp_engines
     workloads = build_workloads(args)
     if not workloads:
         print("pdxfer bench: nothing to run", file=sys.stderr)
@@ -207,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
     os.makedirs(workdir, exist_ok=True)
     plans: dict[str, tuple[Plan, str]] = {}
     for w in workloads:
-        plan, path = make_plan(w, args.seed), os.path.join(workdir, f"plan-{w.name}.npz")
+        plan, path = make_plan(w, args.seed, args.placement), os.path.join(workdir, f"plan-{w.name}.npz")
         plan.save(path)
         plans[w.name] = (plan, path)
     if shortfall := memory_shortfall({name: 2 * pool_bytes(plan.layout) for name, (plan, _) in plans.items()}, room):

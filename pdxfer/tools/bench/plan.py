@@ -23,7 +23,6 @@ import numpy as np
 from ...core.plan import Blocks, check_pages, layout_regions, pages_from_bytes, pages_to_bytes, plan_blocks, region_bases
 from ...core.protocol import KVLayout, Layout
 
-SRC_RUN = 4  # source pages come in runs of this many consecutive pages, as allocators hand them out
 
 
 @dataclass(frozen=True)
@@ -116,16 +115,44 @@ class Plan:
         return cls(Workload(**meta["workload"]), int(meta["num_pages"]), rooms)
 
 
-def make_plan(workload: Workload, seed: int) -> Plan:
-    """Rooms with random 64-bit ids and sizes; sources scattered in runs of SRC_RUN
-    pages, destinations scattered page by page (so little coalesces)."""
+def parse_placement(text: str) -> int:
+    """``--placement``: how an allocator hands out a room's pages, as the length of the
+    runs of consecutive pages: contiguous (0: every room one run), scattered (1: page by
+    page) or runs:N."""
+    if text == "contiguous":
+        return 0
+    if text == "scattered":
+        return 1
+    kind, _, size = text.partition(":")
+    if kind == "runs" and size.isdigit() and int(size) >= 1:
+        return int(size)
+    raise ValueError(f"placement {text!r}: use contiguous, scattered or runs:N with N >= 1")
+
+
+def page_order(num_pages: int, run: int, rng: np.random.Generator) -> np.ndarray:
+    """Every page of a pool once, in the order rooms take them: consecutive pages
+    (run 0), runs of ``run`` consecutive pages in random order, or pages in random order
+    (run 1). num_pages is a multiple of ``run``."""
+    if run == 0:
+        return np.arange(num_pages, dtype=np.int32)
+    runs = rng.permutation(num_pages // run)
+    return (runs[:, None] * run + np.arange(run)).ravel().astype(np.int32)
+
+
+DEFAULT_PLACEMENT = "runs:8"
+
+
+def make_plan(workload: Workload, seed: int, placement: str = DEFAULT_PLACEMENT) -> Plan:
+    """Rooms with random 64-bit ids and sizes; source and destination pages laid out
+    alike by ``placement`` (see parse_placement), each side in its own random order."""
+    run = parse_placement(placement)
     rng = np.random.default_rng([seed, workload.rooms, workload.min_pages, workload.max_pages])
     sizes = rng.integers(workload.min_pages, workload.max_pages + 1, size=workload.rooms)
     total = int(sizes.sum())
-    num_pages = max(SRC_RUN, -(-total // SRC_RUN) * SRC_RUN)
-    runs = rng.permutation(num_pages // SRC_RUN)
-    src_order = (runs[:, None] * SRC_RUN + np.arange(SRC_RUN)).ravel().astype(np.int32)
-    dst_order = rng.permutation(num_pages).astype(np.int32)
+    unit = max(run, 1)
+    num_pages = max(unit, -(-total // unit) * unit)
+    src_order = page_order(num_pages, run, rng)
+    dst_order = page_order(num_pages, run, rng)
     ids = rng.integers(1, 2**63, size=workload.rooms, dtype=np.int64).astype(np.uint64) | np.uint64(1 << 63)
     rooms, at = [], 0
     for room, n in zip(ids, sizes):

@@ -162,6 +162,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback, "
         f"{_lanes(cfg.get('tcp_lanes', 0))} per peer for pdxfer and baseline; seed {cfg['seed']}; "
+        f"pages {cfg.get('placement', 'scattered')}; "
         f"{box['cpus']} CPUs, {box['seconds']:.0f} s",
         f"  transfer engines per process: baseline {cfg.get('baseline_engines', 1)}, pdxfer daemons "
         f"{cfg.get('tcp_engines', 1)} (--baseline-engines, --tcp-engines), writes spread over them in turn",
