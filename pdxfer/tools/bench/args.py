@@ -19,9 +19,9 @@ each room's KV pages from a prefill pool to a decode pool on loopback:
 
   wire      one plain TCP stream between two processes: the most this box's
             network path carries (no protocol, no transfer engine)
-  baseline  two raw Mooncake transfer engines in two processes, writing exactly
-            the blocks pdxfer plans, with the engine API that is fastest for the case
-            (one engine per process, as engines run them today; --baseline-engines)
+  baseline  raw Mooncake transfer engines in two processes, writing exactly the
+            blocks pdxfer plans, with the engine API that is fastest for the case, as
+            many engines per process as a pdxfer daemon has (--baseline-engines)
   pdxfer    the full path: two daemons and two simulated engines using
             pdxfer.client; a room runs from the engine's send()/expect() (the later
             of the two) until the decode engine sees Success
