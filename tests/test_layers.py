@@ -73,6 +73,9 @@ LAYERS: dict[str, Rule] = {
     "ops": rule("core.* wire.* host.* transport.mooncake ops.*", "msgspec zmq"),
     # The engine's library: never the daemon, a role or a transport.
     "client": rule("core.* wire.sockets wire.batch host.memory", "msgspec numpy zmq torch"),
+    # Engine adapters run in the engine's process beside the client: the engine's
+    # library and the pure core, never the daemon, a role or a transport.
+    "adapters": rule("client core.* adapters.*"),
     # The package's face: the engine's API, imported on first use.
     "__init__": rule("client core.*"),
     "__main__": rule("cli"),
@@ -264,14 +267,14 @@ def test_the_table_catches_a_forbidden_import(tmp_path):
         "tools/__init__.py": "",
         "tools/sim.py": "import importlib\nfrom ..daemon import server\nimport mooncake\nimportlib.import_module('pdxfer.cli')\nfrom .. import cli\n",
         "cli.py": "def main():\n    from .tools import sim\n",
-        "adapters/__init__.py": "",
+        "gadgets/__init__.py": "",
     }
     root = tmp_path / "pdxfer"
     for relative, source in files.items():
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         (root / relative).write_text(source)
     assert sorted(violations(root, LAYERS)) == sorted([
-        "pdxfer/adapters/__init__.py: pdxfer.adapters is in no layer of the table: give its subpackage a row",
+        "pdxfer/gadgets/__init__.py: pdxfer.gadgets is in no layer of the table: give its subpackage a row",
         "pdxfer/core/rooms.py:1: core imports asyncio, which its row bans",
         "pdxfer/core/rooms.py:6: core imports pdxfer.daemon.server",  # inside a function counts too
         "pdxfer/core/plan.py:3: core imports the library zmq",

@@ -272,19 +272,26 @@ def _load(library: str, hint: str) -> ctypes.CDLL:
 
 
 class CudaIpcMemory:
-    """A GPU pool opened with cudaIpcOpenMemHandle."""
+    """A GPU pool opened with cudaIpcOpenMemHandle: the whole cudaMalloc block the
+    engine exported (adapters/cuda.py), mapped at ``address``. Regions lie at offsets
+    inside it; ``size`` is what the engine said the daemon may touch."""
 
     class _Handle(ctypes.Structure):
         _fields_ = [("reserved", ctypes.c_char * 64)]
 
     def __init__(self, handle: CudaIpcHandle) -> None:
+        if len(handle.handle) != ctypes.sizeof(self._Handle):
+            # torch's own sharing bytes carry a version and a type byte first: adapters/cuda.py takes them off
+            raise BadMessage(f"a cuda_ipc handle is the {ctypes.sizeof(self._Handle)} bytes of a cudaIpcMemHandle_t, not {len(handle.handle)}")
         self._cudart = _load("cudart", "GPU pools need the CUDA runtime and a visible GPU")
-        raw = self._Handle()
-        ctypes.memmove(ctypes.byref(raw), handle.handle, min(len(handle.handle), 64))
+        self._cudart.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), self._Handle, ctypes.c_uint]
+        self._cudart.cudaGetErrorString.restype = ctypes.c_char_p
+        raw = self._Handle.from_buffer_copy(handle.handle)
         pointer = ctypes.c_void_p()
-        rc = self._cudart.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(1))
+        rc = self._cudart.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, 1)  # 1: cudaIpcMemLazyEnablePeerAccess
         if rc != 0:
-            raise Unsupported(f"cudaIpcOpenMemHandle failed with CUDA error {rc} on device {handle.device}")
+            reason = self._cudart.cudaGetErrorString(rc).decode()
+            raise Unsupported(f"cudaIpcOpenMemHandle failed on device {handle.device}: CUDA error {rc} ({reason})")
         self.address = int(pointer.value)
         self.size = handle.size
 
