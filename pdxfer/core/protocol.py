@@ -12,10 +12,9 @@ a million pages is one memcpy, not a million msgpack integers. ``proto/`` holds 
 human-readable spec and the JSON Schema generated from these structs
 (``python -m pdxfer.core.protocol``); a test fails if they drift.
 
-Version history (bump PROTOCOL_VERSION on any incompatible change; new fields get
-defaults so older peers can still decode them):
-
-1: first version.
+The version's changelog sits beside PROTOCOL_VERSION, one line per version;
+proto/PROTOCOL.md ("Version history") has the details, and the compatible changes made
+within a version.
 """
 
 from __future__ import annotations
@@ -28,6 +27,11 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+# Changelog. Bump PROTOCOL_VERSION on any incompatible change, with a line here (a new
+# field with a default needs no bump: older peers still decode the message).
+# 1: first version (unreleased).
+# 2: messages to one destination in one loop turn leave as one batch (one envelope, up to 256 frames).
+# 3: leave to write: writes_until on room_request and heartbeat, clock on peer_welcome and heartbeat_ack.
 PROTOCOL_VERSION = 3
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
