@@ -1,18 +1,21 @@
 """The engine-side library: create shared-memory KV pools and aux buffers, register
 them with the local daemon, and run rooms.
 
-    with Client("ipc:///tmp/pdxfer-0/decode.engine.sock") as client:
+    endpoint = pdxfer.core.config.load({"role": "decode"}).engine_address  # the daemon beside us
+    with Client(endpoint) as client:
         kv = client.create_kv_pool(KVLayout(layout=Layout.MHA, num_layers=32, num_pages=4096,
                                             page_size=16, token_bytes=1024, dtype="bfloat16"))
         aux = client.create_aux_buffer(num_slots=256, payload_bytes=4096)
         slot = client.alloc_slot()
         client.expect(room, "10.0.0.5:8998", pages, slot, num_draft_tokens=4)
         status = client.wait(room)          # Success, or Failed once fenced
-        ...read kv.tensors() and aux.payload(slot)...
+        record = aux.read(slot, room)       # the aux record, checked against its stamp
+        ...read the prompt's KV from kv.tensors()[i][pages]...
         client.release(room)
 
-``Client`` is synchronous (one call at a time, no threads); ``AsyncClient`` has the
-same methods as coroutines. Both raise pdxfer.errors types for error replies.
+examples/engine.py runs both sides in full. ``Client`` is synchronous (one call at a
+time, no threads); ``AsyncClient`` has the same methods as coroutines. Both raise
+pdxfer.errors types for error replies.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ example must be a file that runs as the README shows it."""
 from __future__ import annotations
 
 import ctypes.util
+import importlib.util
 import os
 import re
 import shutil
@@ -20,7 +21,9 @@ import time
 
 import pytest
 
+from pdxfer.core.plan import pool_bytes
 from pdxfer.core.protocol import ErrorCode, RoomState
+from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.tools.launch import start_daemon
 
 from .conftest import needs_mooncake
@@ -202,15 +205,27 @@ def test_the_readme_shows_the_engine_example_file_in_full():
         assert readme_block("python", "from pdxfer import Client") == fh.read()
 
 
+def test_the_engine_example_states_its_shared_memory_as_it_maps_it():
+    spec = importlib.util.spec_from_file_location("engine_example", os.path.join(ROOT, "examples", "engine.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert pool_bytes(example.layout) == 128 * 2**20 and "= 128 MiB" in example.__doc__
+    aux = example.AUX_SLOTS * (HEADER_BYTES + example.AUX_PAYLOAD_BYTES)
+    assert f"(a {HEADER_BYTES}-byte stamp" in example.__doc__ and f"= {aux / 2**20:.1f} MiB" in example.__doc__, aux
+
+
 def test_the_readme_engine_example_runs_as_written(runtime_dir):
-    """The README's lines as they stand, but for a free port and a directory of this
-    test's (8998 and /tmp/pdx-example may be another user's) and the activation of
-    .venv: this suite's interpreter goes first on PATH instead, with this checkout's
-    pdxfer on PYTHONPATH whatever that environment has installed."""
+    """The README's lines as they stand, but for a free port (8998 may be another
+    user's) and the activation of .venv: this suite's interpreter goes first on PATH
+    instead, with this checkout's pdxfer on PYTHONPATH whatever that environment has
+    installed. They name no socket and no runtime directory: daemons and engines find
+    each other in the default one, here this test's (PDXFER_RUNTIME_DIR)."""
     script = readme_block("sh", "python examples/engine.py")
-    assert script.startswith(". .venv/bin/activate\n") and "8998" in script and "/tmp/pdx-example" in script, script
-    script = script.removeprefix(". .venv/bin/activate\n").replace("8998", str(free_port())).replace("/tmp/pdx-example", runtime_dir)
-    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), "PYTHONPATH": ROOT}
+    assert script.startswith(". .venv/bin/activate\n") and "8998" in script, script
+    assert "engine.sock" not in script and "--runtime-dir" not in script and "/tmp/" not in script, script
+    script = script.removeprefix(". .venv/bin/activate\n").replace("8998", str(free_port()))
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), "PYTHONPATH": ROOT,
+           "PDXFER_RUNTIME_DIR": runtime_dir}
     shell = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                              start_new_session=True)
     try:
