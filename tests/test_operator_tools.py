@@ -263,13 +263,13 @@ def test_json_logs_are_json_lines_only_the_transfer_engines_own_included(runtime
         assert any("removeSegmentDesc" in e["msg"] for e in engine_lines) and entries[-1]["msg"].endswith("stopped")
 
 
-# --- the README's example of a room nobody serves
+# --- docs/operating.md's example of a room nobody serves
 
 
 def test_a_room_from_an_address_nobody_serves_times_out_as_the_readme_shows(daemons):
     """A decode room expected from an address where no prefill daemon listens ends at
     the bootstrap timeout as `timeout` (no link ever came up, so no heartbeat was
-    missed), and the README's example says so rather than `peer_dead` after 5 s."""
+    missed), and docs/operating.md's example says so rather than `peer_dead` after 5 s."""
     decode = daemons("decode", "--bootstrap-timeout", "2")
     client = engine(decode)
     try:
@@ -280,7 +280,7 @@ def test_a_room_from_an_address_nobody_serves_times_out_as_the_readme_shows(daem
         assert "no progress for 2s in bootstrapping" in status.reason and time.monotonic() - started >= 2
     finally:
         client.close()
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    nobody = [line for line in readme.splitlines() if line.startswith("7004  decode  failed")]
+    tour = open(os.path.join(os.path.dirname(__file__), "..", "docs", "operating.md")).read()
+    nobody = [line for line in tour.splitlines() if line.startswith("7004  decode  failed")]
     assert nobody and all("[timeout] no progress for 30s in bootstrapping" in line for line in nobody), nobody
-    assert "[peer_dead] prefill tcp://127.0.0.1:39543" not in readme
+    assert "[peer_dead] prefill tcp://127.0.0.1:39543" not in tour

@@ -6,7 +6,7 @@ with the daemon's Python (event loop, ZMQ) waits in the run queue, and its lanes
 sit idle meanwhile. Moving medium rooms on a 2-core VM, the engine's sending and
 receiving threads waited there 16-24% and 25-33% of the time while the box sat 15-20%
 idle. With the daemon's threads under SCHED_IDLE they waited 3-7% and 6-11%, and pdxfer
-moved 14-44% more GB/s over six interleaved pairs of runs (README, Performance).
+moved 14-44% more GB/s over six interleaved pairs of runs (pdxfer/tools/bench/HISTORY.md).
 
 How: once the transfer engine has started (its threads keep the normal policy), the
 daemon's main thread switches to SCHED_IDLE, and every thread it starts afterwards
