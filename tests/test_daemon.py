@@ -17,7 +17,7 @@ from pdxfer import client as client_module
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.core import config, errors
 from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
-from pdxfer.daemon.server import Daemon
+from pdxfer.daemon.server import Daemon, PrefillDaemonPort
 from pdxfer.host import memory
 from pdxfer.roles.prefill import PrefillService
 from pdxfer.tools.launch import LaunchError, start_daemon
@@ -168,10 +168,13 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
     monkeypatch.setattr(memory, "open_handle", spy)
     registered = []
 
-    async def register(address: int, length: int) -> None:
-        registered.append(length)
+    class Transport:  # what the daemon's port registers the pool with
+        def register(self, address: int, length: int) -> None:
+            registered.append(length)
 
-    service = PrefillService(config.Config(role=Role.PREFILL, runtime_dir=runtime_dir), "i" * 16, register)
+    cfg = config.Config(role=Role.PREFILL, runtime_dir=runtime_dir)
+    port = PrefillDaemonPort(Daemon(cfg, Transport()), observe=lambda room, left, now: None)
+    service = PrefillService(cfg, "i" * 16, port, sessions=(), bootstrap_address="")
     pool = KVPool.create(small_layout())
     try:
         request = _Requests("unused")._register_kv(pool)

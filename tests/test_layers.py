@@ -51,11 +51,10 @@ def rule(pdxfer: str = "", third_party: str = "", banned_stdlib: frozenset[str] 
 LAYERS: dict[str, Rule] = {
     # Pure: messages, tables, arithmetic. tomli is tomllib before Python 3.11.
     "core": rule("core.*", "msgspec numpy tomli", banned_stdlib=CONCURRENCY),
-    # Room logic over the core. It hands the pump Jobs (transport's __init__, never the
-    # pump's thread or an engine). It still maps the engine's memory itself, off the
-    # loop (host.memory, asyncio's executor), until a port hands it that effect (issue
-    # 26's typed ports): then drop host.memory here and ban asyncio too.
-    "roles": rule("core.* roles.* transport host.memory", "msgspec numpy", banned_stdlib=CONCURRENCY - {"asyncio"}),
+    # Room logic over the core. Its effects go through the port it is built with
+    # (roles.ports): it makes Jobs (transport's __init__) but never sees the pump's
+    # thread, an engine, a socket or host memory.
+    "roles": rule("core.* roles.* transport", "msgspec numpy", banned_stdlib=CONCURRENCY),
     # Moving bytes: the interface, the engines, the pump; never a role or the daemon.
     # logs: the engine's own process (transport.host) sets up logging like a daemon.
     "transport": rule("core.* transport.* host.* logs", "msgspec numpy mooncake"),

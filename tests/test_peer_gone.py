@@ -1,7 +1,7 @@
 """When a prefill takes a decode daemon for gone before the heartbeat bound (issue 30,
 smaller defects): a write to it failed while its bootstrap connection was closed.
 Either alone proves nothing: a daemon that lives reconnects, and a write that fails to
-one still connected is written again. Driven on PrefillService directly, with a pump
+one still connected is written again. Driven on PrefillService directly, with a port
 that records cancellations; test_peer_death.py kills a real decode daemon."""
 
 from __future__ import annotations
@@ -16,18 +16,7 @@ from pdxfer.transport import Job
 from pdxfer.core.rooms import Event
 
 from .conftest import small_layout
-
-
-class RecordingPump:
-    def __init__(self) -> None:
-        self.cancelled: list[int] = []
-
-    def cancel(self, job: Job) -> None:
-        self.cancelled.append(job.id)
-
-
-async def never_registers(address: int, length: int) -> None:
-    raise AssertionError("nothing is registered here")
+from .roles.port import RecordingPort
 
 
 def hello(name: str, sessions: tuple[str, ...]) -> PeerHello:
@@ -44,9 +33,7 @@ SESSIONS = {b"a": ("127.0.0.1:1001", "127.0.0.1:1002"), b"b": ("127.0.0.1:2001",
 @pytest.fixture
 def service(tmp_path) -> PrefillService:
     """Two connected decode daemons, a and b, with two rooms each whose writes are in flight."""
-    service = PrefillService(Config(role=Role.PREFILL, runtime_dir=str(tmp_path)), "p" * 16, never_registers)
-    service.pump = RecordingPump()
-    service.send_peer = lambda identity, message: None
+    service = PrefillService(Config(role=Role.PREFILL, runtime_dir=str(tmp_path)), "p" * 16, RecordingPort(), sessions=("127.0.0.1:9001",), bootstrap_address="127.0.0.1:8998")
     now = service.clock()
     for n, (identity, sessions) in enumerate(SESSIONS.items()):
         peer = service.peers[identity] = DecodePeer(identity, hello(identity.decode(), sessions), now)
@@ -70,13 +57,13 @@ LIVE = {10: RoomState.TRANSFERRING, 11: RoomState.TRANSFERRING, 20: RoomState.TR
 
 def test_a_write_that_fails_to_a_connected_decode_daemon_fails_nothing(service):
     service.write_failed(SESSIONS[b"a"])
-    assert states(service) == LIVE and service.pump.cancelled == [] and b"a" in service.peers
+    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.peers
 
 
 def test_a_closed_connection_alone_fails_nothing(service):
     service.on_connection(b"a", "disconnected")
     service.write_failed(SESSIONS[b"b"])  # another daemon's, still connected
-    assert states(service) == LIVE and service.pump.cancelled == [] and b"a" in service.peers
+    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.peers
 
 
 def test_a_write_that_fails_while_its_connection_is_closed_fails_exactly_its_rooms_at_once(service):
@@ -87,7 +74,7 @@ def test_a_write_that_fails_while_its_connection_is_closed_fails_exactly_its_roo
         room = service.rooms.get(room_id)
         assert room.code is ErrorCode.PEER_DEAD and not room.fenced, room  # its write in flight has not settled
         assert "bootstrap connection closed" in room.reason and "write to its transfer engine" in room.reason, room.reason
-    assert sorted(service.pump.cancelled) == [10, 11]
+    assert sorted(job.id for job in service.port.cancelled) == [10, 11]
     assert b"a" not in service.peers and service.failures["peers_declared_dead"] == 1
 
 
@@ -95,4 +82,4 @@ def test_a_decode_daemon_that_reconnected_is_not_taken_for_gone(service):
     service.on_connection(b"a", "disconnected")
     service.on_connection(b"a", "connected")
     service.write_failed(SESSIONS[b"a"])
-    assert states(service) == LIVE and service.pump.cancelled == []
+    assert states(service) == LIVE and service.port.cancelled == []

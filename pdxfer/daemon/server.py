@@ -25,11 +25,13 @@ import zmq
 from ..core import paths
 from ..core.config import Config
 from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
-from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeerError, PeerRefused, PeersReply, Role
+from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, MemoryHandle, Message, PeerError, PeerRefused, PeersReply, Role, RoomState, ShmHandle
+from ..core.rooms import Room
 from ..host import cpu_yield, memory
 from ..roles.decode import DecodeService
+from ..roles.ports import Mapping
 from ..roles.prefill import PrefillService
-from ..transport import PROBE_BYTES, Peer, Transport, build, label, primary
+from ..transport import PROBE_BYTES, Job, Peer, Transport, build, label, primary
 from ..transport.pump import TransferPump
 from ..wire.batch import MAX_BATCH
 from ..wire.bootstrap import PeerLink, PeerServer, Prover, RefusalLog
@@ -117,6 +119,7 @@ class Daemon:
                 self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
                 self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
+        self.metrics = Metrics(self)
         self.service = self._make_service()
         # Peers, engines and operators are let in only now that the service exists.
         if self._bootstrap is not None:
@@ -125,9 +128,6 @@ class Daemon:
         self.admin_endpoint = self._admin.start(loop, self._on_admin, self._envelope)
         self.pump.on_reset = self._transport_reset
         self.pump.start()
-        self.metrics = Metrics(self)
-        # The log level is set once, before this: without debug logging the table tells the metrics directly.
-        self.service.rooms.observer = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
         if cfg.http_port:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
             self.http_port = await self._http.start()
@@ -177,34 +177,16 @@ class Daemon:
             return window
         return self.config.peer_window
 
-    def _make_service(self):
+    def _make_service(self) -> PrefillService | DecodeService:
         cfg = self.config
-        loop = asyncio.get_running_loop()
-
-        async def register_memory(address: int, length: int) -> None:
-            await loop.run_in_executor(None, self.transport.register, address, length)
-
+        # The log level is set once, before this: without debug logging the table tells the metrics directly.
+        observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
         if cfg.role is Role.PREFILL:
-            service = PrefillService(cfg, self.incarnation, register_memory)
-            service.send_peer = self._send_bootstrap
-        else:
-            service = DecodeService(cfg, self.incarnation, register_memory)
-            service.open_link = self._open_link
-            service.close_link = self._close_link
-            service.send_link = self._send_link
-        if cfg.role is Role.DECODE:
-            from ..transport.mooncake import installed_release
+            return PrefillService(cfg, self.incarnation, PrefillDaemonPort(self, observe), sessions=self.sessions, bootstrap_address=self.bootstrap_address)
+        from ..transport.mooncake import installed_release
 
-            service.name = f"{cfg.host}/{cfg.instance}"
-            service.engine_release = installed_release()
-            service.probe_base = self.transport.scratch + PROBE_BYTES
-            service.later = loop.call_later
-        service.sessions = self.sessions
-        service.bootstrap_address = self.bootstrap_address
-        service.send_engine = self._send_engine
-        service.release_mapping = self._release_mapping
-        service.pump = self.pump
-        return service
+        return DecodeService(cfg, self.incarnation, DecodeDaemonPort(self, observe), sessions=self.sessions,
+                             probe_base=self.transport.scratch + PROBE_BYTES, engine_release=installed_release())
 
     def ready_line(self) -> str:
         return json.dumps(
@@ -246,7 +228,6 @@ class Daemon:
             session=self.session, host=cfg.host,
         )
         await self.registry.register(record)
-        self.service.registry = self.registry
         self._spawn("registry-keepalive", self.registry.keep_alive)
         self._spawn("registry-watch", self._watch_registry)
 
@@ -256,7 +237,8 @@ class Daemon:
 
     async def drain(self) -> None:
         """Admit no new rooms; give live ones drain_timeout to finish; fail the rest."""
-        self.draining = self.service.draining = True
+        self.draining = True
+        self.service.start_draining()
         live = self.service.rooms.live
         log.info("draining: %d live rooms, up to %gs", live(), self.config.drain_timeout)
         deadline = time.monotonic() + self.config.drain_timeout
@@ -459,7 +441,7 @@ class Daemon:
                 start, window = window, cpu_yield.sample()
                 self._cpu_window(*(now - then for now, then in zip(window, start)))
 
-    # --- sending, injected into the services
+    # --- sending: the daemon's own, and its ports' (below)
 
     def _send_engine(self, identity: bytes, message: Message) -> None:
         self._engine.post(identity, self.codec.encode(message))
@@ -469,15 +451,6 @@ class Daemon:
 
     def engine_connections(self) -> int:
         return self._engine.connections if self._engine is not None else 0
-
-    def _release_mapping(self, mapping) -> None:
-        """Unregister a replaced engine buffer from the transport, then unmap it."""
-
-        async def release() -> None:
-            await asyncio.get_running_loop().run_in_executor(None, self.transport.unregister, mapping.address)
-            mapping.close()
-
-        self._oneshot(release())
 
     def _oneshot(self, coro) -> None:
         """Run a one-off step in the background; its failure is logged and counted."""
@@ -498,7 +471,8 @@ class Daemon:
             self.service.write_failed(sessions)
 
     def _transport_reset(self, sessions: Peer) -> None:
-        self.sessions = self.service.sessions = sessions
+        self.sessions = sessions
+        self.service.new_sessions(sessions)
 
     def _prover(self) -> Prover | None:
         """What proves the cluster secret on the bootstrap channel: nothing without one."""
@@ -570,3 +544,86 @@ class Daemon:
         link = self._links.get(endpoint)
         if link is not None:
             link.post(self.codec.encode(message))
+
+
+# --- the roles' ports (roles/ports.py): a role's effects become posts on the daemon's
+# sockets, jobs for its pump, mappings registered with its transport, timers on its loop
+
+
+class DaemonPort:
+    """What both roles' ports do in a daemon."""
+
+    clock = staticmethod(time.monotonic)
+    wall = staticmethod(time.time)
+
+    def __init__(self, daemon: Daemon, observe: Callable[[Room, RoomState | None, float], None]) -> None:
+        self._daemon = daemon
+        self.observe = observe  # the metrics' observer, or with debug logging one that also logs
+
+    def send_engine(self, identity: bytes, message: Message) -> None:
+        self._daemon._send_engine(identity, message)
+
+    async def map_memory(self, handle: MemoryHandle) -> Mapping:
+        """Host memory is mapped off the event loop: populating a big pool takes seconds
+        (0.28 s per 2 GiB here), longer than heartbeats may wait. Device handles open
+        on the loop's thread, the one the device was made current on (D1). Memory is
+        registered with the transport off the loop too."""
+        loop = asyncio.get_running_loop()
+        if isinstance(handle, ShmHandle):
+            mapped = await loop.run_in_executor(None, memory.open_handle, handle)
+        else:
+            mapped = memory.open_handle(handle)
+        try:
+            await loop.run_in_executor(None, self._daemon.transport.register, mapped.address, handle.size)
+        except BaseException:
+            mapped.close()
+            raise
+        return mapped
+
+    def release_mapping(self, mapping: Mapping) -> None:
+        """Unregister a replaced engine buffer from the transport, then unmap it, in the background."""
+
+        async def release() -> None:
+            await asyncio.get_running_loop().run_in_executor(None, self._daemon.transport.unregister, mapping.address)
+            mapping.close()
+
+        self._daemon._oneshot(release())
+
+
+class PrefillDaemonPort(DaemonPort):
+    """roles.ports.PrefillPort: decode daemons on the bootstrap endpoint, writes through the pump."""
+
+    def send_peer(self, identity: bytes, message: Message) -> None:
+        self._daemon._send_bootstrap(identity, message)
+
+    def submit(self, job: Job) -> None:
+        self._daemon.pump.submit(job)
+
+    def cancel(self, job: Job) -> None:
+        self._daemon.pump.cancel(job)
+
+
+class DecodeDaemonPort(DaemonPort):
+    """roles.ports.DecodePort: one bootstrap link per prefill daemon, timers on the loop,
+    names looked up in the registry (--registry)."""
+
+    def open_link(self, endpoint: str) -> None:
+        self._daemon._open_link(endpoint)
+
+    def close_link(self, endpoint: str) -> None:
+        self._daemon._close_link(endpoint)
+
+    def send_link(self, endpoint: str, message: Message) -> None:
+        self._daemon._send_link(endpoint, message)
+
+    def later(self, delay: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(delay, fn)
+
+    def resolve(self, name: str) -> str | None:
+        registry = self._daemon.registry
+        return None if registry is None else registry.resolve(name).bootstrap
+
+    def incarnation_of(self, name: str) -> str:
+        registry = self._daemon.registry
+        record = registry.peers.get(name) if registry is not None else None
+        return record.incarnation if record is not None else ""

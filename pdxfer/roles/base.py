@@ -1,18 +1,16 @@
 """What both daemon roles share: the engine conversation, registrations, the room
 table, failure and fencing, and timeouts.
 
-A service does no socket I/O itself. It replies by returning messages and reaches
-its engine and peers through callables the daemon injects (``send_engine``,
-``send_peer``), and moves bytes through the pump; tests drive it directly.
+A service does no I/O itself. It replies by returning messages, and does everything
+else (to its engine, its peers, the pump, host memory, timers) through the port it is
+built with (ports.py); tests drive it directly with one that records.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
-import time
-from typing import Awaitable, Callable
+from typing import Awaitable
 
 import msgspec
 
@@ -51,9 +49,9 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room, RoomTable, Timeouts
 from ..core.slots import SlotState
-from ..host import memory
 from ..transport import Peer
 from .pools import MappedAux, MappedKV
+from .ports import Mapping, Port
 
 log = logging.getLogger("pdxfer.service")
 
@@ -71,42 +69,35 @@ def loose_req(raw: bytes) -> int:
 class RoomService:
     role: Role
 
-    def __init__(
-        self,
-        config: Config,
-        incarnation: str,
-        register_memory: Callable[[int, int], Awaitable[None]],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, config: Config, incarnation: str, port: Port, *, sessions: Peer, bootstrap_address: str) -> None:
         self.config = config
         self.incarnation = incarnation
-        self.register_memory = register_memory
-        self.clock = clock
+        self.port = port
+        self.clock = port.clock
         self.codec = Codec()
         self.rooms = RoomTable(
             config.max_rooms,
             Timeouts(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.retention),
         )
+        self.rooms.observer = port.observe
         self.kv: MappedKV | None = None
         self.aux: MappedAux | None = None
         # Replaced mappings, (release time, mapping): writes of the rooms failed with
         # them may still touch them until their lease and fence ran out.
-        self.retired: list[tuple[float, object]] = []
-        self.release_mapping: Callable[[object], None] = lambda mapping: mapping.close()
+        self.retired: list[tuple[float, Mapping]] = []
         self.finished: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # released rooms: (state, code, reason)
-        self.sessions: Peer = ()  # our transfer engines' sessions, set by the daemon
-        self.bootstrap_address = ""
+        # Our transfer engines' sessions: a plain value the role reads, which a transport
+        # reset replaces (through new_sessions, never by assignment from outside).
+        self.sessions: Peer = sessions
+        self.bootstrap_address = bootstrap_address
         self.failures: collections.Counter[str] = collections.Counter()
-        self.send_engine: Callable[[bytes, Message], None] = lambda identity, message: None
         self.engines: set[bytes] = set()  # engine connections that said hello
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeat_misses = 0
         self.bytes_received = 0  # decode: KV and aux bytes of rooms that succeeded
         self.kv_inline_rooms = self.kv_inline_bytes = 0  # prefill: rooms whose KV rode their aux record, and its bytes
         self._last_tick = 0.0
-        self.draining = False  # shutting down: no new rooms
-        self.registry = None  # registry.Registry with --registry
-        self.pump = None  # pump.TransferPump, set by the daemon
+        self.draining = False  # shutting down, no new rooms: a flag the daemon raises through start_draining
 
     # --- engine conversation
 
@@ -192,6 +183,14 @@ class RoomService:
             return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
 
+    def start_draining(self) -> None:
+        """The daemon shuts down: admit no new rooms from now on."""
+        self.draining = True
+
+    def new_sessions(self, sessions: Peer) -> None:
+        """The transport was re-created: peers reach this daemon's engines at ``sessions`` now."""
+        self.sessions = sessions
+
     def admit(self, room: int) -> None:
         """New rooms are refused while the daemon drains for shutdown."""
         if self.draining:
@@ -220,7 +219,7 @@ class RoomService:
         if same:
             mapped = old.memory  # same memory, new version: the engine moved pages within it
         else:
-            mapped = await self._map(msg.memory)
+            mapped = await self.port.map_memory(msg.memory)
             if old is not None:
                 self._retire(old.memory)
         self.kv = MappedKV(mapped, msg.layout, msg.memory_version, kind, msg.memory)
@@ -240,7 +239,7 @@ class RoomService:
             raise errors.InsufficientCapacity(
                 f"{msg.num_slots} slots of {msg.slot_bytes} bytes need {msg.num_slots * msg.slot_bytes} bytes, the buffer has {msg.memory.size}"
             )
-        mapped = await self._map(msg.memory)
+        mapped = await self.port.map_memory(msg.memory)
         if self.aux is not None:
             # The old slots' rooms cannot finish; late writes land in the retired mapping.
             self._fail_stale_rooms("the engine registered a new aux buffer (a restarted engine?)")
@@ -250,23 +249,7 @@ class RoomService:
         self.on_kv_registered()
         return Ok(req=msg.req)
 
-    async def _map(self, handle):
-        """Map an engine buffer and register it with the transport. Host memory is
-        mapped off the event loop: populating a big pool takes seconds (0.28 s per
-        2 GiB here), longer than heartbeats may wait. Device handles open on the
-        loop's thread, the one the device was made current on (D1)."""
-        if isinstance(handle, ShmHandle):
-            mapped = await asyncio.get_running_loop().run_in_executor(None, memory.open_handle, handle)
-        else:
-            mapped = memory.open_handle(handle)
-        try:
-            await self.register_memory(mapped.address, handle.size)
-        except BaseException:
-            mapped.close()
-            raise
-        return mapped
-
-    def _retire(self, mapping) -> None:
+    def _retire(self, mapping: Mapping) -> None:
         grace = self.config.transfer_timeout + self.config.fence_timeout
         self.retired.append((self.clock() + grace, mapping))
 
@@ -305,7 +288,7 @@ class RoomService:
 
     def push(self, room: Room, engine: bytes) -> None:
         if engine:
-            self.send_engine(engine, self.status(room))
+            self.port.send_engine(engine, self.status(room))
             if room.release_when_settled and room.finished and room.fenced and self.rooms.find(room.id) is room:
                 self.drop(room)
 
@@ -467,7 +450,7 @@ class RoomService:
             due = [m for t, m in self.retired if t <= now]
             self.retired = [(t, m) for t, m in self.retired if t > now]
             for mapping in due:
-                self.release_mapping(mapping)
+                self.port.release_mapping(mapping)
         if self.aux is not None:
             reclaimed = self.aux.slots.reclaim_granted(now - self.config.retention)
             if reclaimed:

@@ -36,14 +36,13 @@ import collections
 import functools
 import logging
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 import numpy as np
 
 from ..core import errors, paths
+from ..core.config import Config
 from ..core.errors import IllegalTransition, PdxferError
 from ..core.plan import check_pages, pages_from_bytes
 from ..core.protocol import (
@@ -73,9 +72,10 @@ from ..core.protocol import (
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
 from ..core.stamp import HEADER_BYTES, Stamp, verify
-from ..transport import primary
+from ..transport import Peer, primary
 from .base import RoomService
 from .pools import compat
+from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
 
@@ -143,18 +143,15 @@ class DecodeWork:
 class DecodeService(RoomService):
     role = Role.DECODE
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, incarnation: str, port: DecodePort, *, sessions: Peer, probe_base: int, engine_release: str) -> None:
+        super().__init__(config, incarnation, port, sessions=sessions, bootstrap_address="")
+        self.port: DecodePort = port
         self.links: dict[str, PrefillLink] = {}
         self.work: dict[int, DecodeWork] = {}
-        self.name = ""  # stable name peers know this daemon by
-        self.probe_base = 0
-        self.engine_release = ""  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
+        self.name = f"{config.host}/{config.instance}"  # stable name peers know this daemon by
+        self.probe_base = probe_base  # 64 scratch bytes of ours a prefill may write to test its session
+        self.engine_release = engine_release  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
         self.cuts = 0  # operator cuts of this daemon's transfer sessions
-        self.open_link: Callable[[str], None] = lambda endpoint: None
-        self.close_link: Callable[[str], None] = lambda endpoint: None
-        self.send_link: Callable[[str, Message], None] = lambda endpoint, message: None
-        self.later: Callable[[float, Callable[[], None]], object] = lambda delay, fn: None
 
     # --- engine side
 
@@ -187,7 +184,7 @@ class DecodeService(RoomService):
             writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
-            self.send_link(link.endpoint, request)
+            self.port.send_link(link.endpoint, request)
         else:  # its leave to write needs the prefill's clock: the welcome brings it
             link.held[room.id] = request
         return Ok(req=msg.req)
@@ -195,7 +192,7 @@ class DecodeService(RoomService):
     def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
         """A request held until the link knew the prefill's clock, with its leave to write from now."""
         leave = link.writes_until(self.clock(), self._leave_span)
-        self.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
+        self.port.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
 
     @property
     def _leave_span(self) -> float:
@@ -205,10 +202,14 @@ class DecodeService(RoomService):
 
     def _resolve(self, bootstrap: str, room: int) -> str:
         """A prefill daemon's bootstrap endpoint from host:port, or from its name in the registry."""
-        if ":" in bootstrap or self.registry is None:
+        try:
+            address = None if ":" in bootstrap else self.port.resolve(bootstrap)
+        except PdxferError as exc:
+            raise PdxferError(exc.message, code=exc.code, room=room) from None
+        if address is None:  # an address, or a name with no registry to look it up in
             return bootstrap_endpoint(bootstrap)
         try:
-            return bootstrap_endpoint(self.registry.resolve(bootstrap).bootstrap)
+            return bootstrap_endpoint(address)
         except PdxferError as exc:
             raise PdxferError(exc.message, code=exc.code, room=room) from None
 
@@ -216,8 +217,8 @@ class DecodeService(RoomService):
         link = self.links.get(endpoint)
         if link is None:
             self.links[endpoint] = link = PrefillLink(endpoint, last_heard=self.clock())
-            self.open_link(endpoint)
-            self.send_link(endpoint, self.hello())
+            self.port.open_link(endpoint)
+            self.port.send_link(endpoint, self.hello())
         return link
 
     def hello(self) -> PeerHello:
@@ -245,7 +246,7 @@ class DecodeService(RoomService):
     def on_kv_registered(self) -> None:
         if self.kv is not None and self.aux is not None:
             for endpoint in self.links:
-                self.send_link(endpoint, self.hello())
+                self.port.send_link(endpoint, self.hello())
 
     # --- bootstrap channel
 
@@ -265,10 +266,10 @@ class DecodeService(RoomService):
             self._dispatch_link(link, msg)
         except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)
             log.warning("prefill %s sent %s out of order: %s", endpoint, type(msg).__name__, exc, extra={"peer": endpoint})
-            self.send_link(endpoint, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"{type(msg).__name__} out of order: {exc.message}", room=getattr(msg, "room", 0)))
+            self.port.send_link(endpoint, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"{type(msg).__name__} out of order: {exc.message}", room=getattr(msg, "room", 0)))
         except PdxferError as exc:
             log.warning("prefill %s sent %s that cannot be accepted: %s", endpoint, type(msg).__name__, exc, extra={"peer": endpoint})
-            self.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))
+            self.port.send_link(endpoint, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception:  # H1
             self.count_failure("internal")
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint, extra={"peer": endpoint})
@@ -345,12 +346,12 @@ class DecodeService(RoomService):
             if not link.ready:
                 # Our rooms here already failed; this may answer something sent before
                 # our new hello, or the hello itself was lost in a reconnect: say it again.
-                self.send_link(link.endpoint, self.hello())
+                self.port.send_link(link.endpoint, self.hello())
                 return
             # It declared us dead (we stalled) or lost us: our rooms there are gone.
             link.ready = False
             self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
-            self.send_link(link.endpoint, self.hello())
+            self.port.send_link(link.endpoint, self.hello())
             return
         room = self._room_of(link, msg.room) if msg.room else None
         if room is not None:
@@ -363,7 +364,7 @@ class DecodeService(RoomService):
                 self.work[room_id].peer_fenced = True  # it refused us: it never wrote
         self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
-        self.close_link(link.endpoint)
+        self.port.close_link(link.endpoint)
 
     def link_unauthenticated(self, endpoint: str, why: str) -> None:
         """A message from the prefill whose signature does not check (wire.seal.Seal says
@@ -444,7 +445,7 @@ class DecodeService(RoomService):
             waited = self.clock() - w.first_check
             if waited < self.config.visibility_grace:
                 delay = min(self.config.visibility_grace - waited, max(0.001, waited))
-                self.later(delay, lambda: self._check_landed(endpoint, room, msg))
+                self.port.later(delay, lambda: self._check_landed(endpoint, room, msg))
                 return
             self.fail(room, exc.code, exc.message)
             return
@@ -455,7 +456,7 @@ class DecodeService(RoomService):
             self.rooms.apply(room, Event.INPUT_READY, self.clock())
         room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
         self.succeed(room)
-        self.send_link(endpoint, RoomAck(room=room.id))
+        self.port.send_link(endpoint, RoomAck(room=room.id))
 
     def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         """Write a small room's KV that came inside its record. The room is live and
@@ -508,8 +509,8 @@ class DecodeService(RoomService):
                 if link.beats and link.last_heard < link.last_beat:
                     self.heartbeat_misses += 1  # not a word since the last one
                 link.beats += 1
-                link.last_beat, link.beat_wall = now, time.time()
-                self.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall, writes_until=link.writes_until(now, self._leave_span)))
+                link.last_beat, link.beat_wall = now, self.port.wall()
+                self.port.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall, writes_until=link.writes_until(now, self._leave_span)))
             # Silence counts only once the prefill has answered at all; before that the
             # bootstrap timeout covers a prefill that never shows up.
             if link.incarnation and now - link.last_heard > limit and self._live_rooms(link):
@@ -523,7 +524,7 @@ class DecodeService(RoomService):
         churn in prefill addresses cannot grow links and heartbeats without end."""
         log.info("closing idle link to prefill %s", link.endpoint, extra={"peer": link.endpoint})
         self.links.pop(link.endpoint, None)
-        self.close_link(link.endpoint)
+        self.port.close_link(link.endpoint)
 
     def on_connection(self, endpoint: str, event: str) -> None:
         """The link's TCP connection came or went (the link reconnects by itself)."""
@@ -551,7 +552,7 @@ class DecodeService(RoomService):
         link.offsets.clear()  # perhaps another host's clock
         self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
         self._fence_link(link)
-        self.send_link(link.endpoint, self.hello())
+        self.port.send_link(link.endpoint, self.hello())
 
     def _fence_link(self, link: PrefillLink) -> None:
         """Nothing the link's prefill sent can land any more: its failed rooms, and the
@@ -583,7 +584,7 @@ class DecodeService(RoomService):
         through the old ones can land, so every fence-pending room is fenced, on every
         link (a cut is not selective); peers learn the new sessions. Returns how many
         rooms and released slots it fenced."""
-        self.sessions = sessions
+        self.new_sessions(sessions)
         fenced = sum(self.fence_pending(link) for link in self.links.values())
         for link in self.links.values():
             self._fence_link(link)
@@ -604,7 +605,7 @@ class DecodeService(RoomService):
         if w is None:
             return True
         if not w.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
-            self.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+            self.port.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
         link = self.links.get(w.link)
         held = link.held.pop(room.id, None) if link is not None else None
         if held is not None:
@@ -670,9 +671,9 @@ class DecodeService(RoomService):
         link = self.links.get(bootstrap_endpoint(record.bootstrap)) if record.bootstrap else None
         if link is None or (link.incarnation and link.incarnation != record.incarnation):
             return  # not ours, or already talking to its successor
-        successor = self.registry.peers.get(record.name) if self.registry is not None else None
-        if successor is not None and successor.incarnation != record.incarnation:
-            self._restarted(link, successor.incarnation)  # the old process is gone: fence at once
+        successor = self.port.incarnation_of(record.name)
+        if successor and successor != record.incarnation:
+            self._restarted(link, successor)  # the old process is gone: fence at once
         elif link.rooms:
             self.declare_dead(link, f"prefill {record.name}: {reason}")
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import time
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..core import errors, paths
+from ..core.config import Config
 from ..core.errors import PdxferError
 from ..core.plan import (
     Blocks,
@@ -73,6 +73,7 @@ from ..core.stamp import HEADER_BYTES, stamp_for
 from ..transport import Job, Peer, label, primary
 from .base import RoomService
 from .pools import compat
+from .ports import PrefillPort
 
 log = logging.getLogger("pdxfer.prefill")
 
@@ -119,13 +120,13 @@ class PrefillWork:
 class PrefillService(RoomService):
     role = Role.PREFILL
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, incarnation: str, port: PrefillPort, *, sessions: Peer, bootstrap_address: str) -> None:
+        super().__init__(config, incarnation, port, sessions=sessions, bootstrap_address=bootstrap_address)
+        self.port: PrefillPort = port
         self.peers: dict[bytes, DecodePeer] = {}
         self.connected: set[bytes] = set()  # identities with a bootstrap connection now (wire.bootstrap)
         self.work: dict[int, PrefillWork] = {}
         self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
-        self.send_peer = lambda identity, message: None
         # Peer messages that arrived before the engine registered, replayed after.
         self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
         self._early_bytes = 0
@@ -175,12 +176,12 @@ class PrefillService(RoomService):
 
     def on_peer(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         if len(raw) > self.config.max_message_bytes:
-            self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit"))
+            self.port.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit"))
             return
         try:
             msg = self.codec.peer_messages.decode(raw)
         except UNDECODABLE as exc:
-            self.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
+            self.port.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
             return
         if self.kv is None or self.aux is None:
             self._hold(identity, incarnation, raw)
@@ -199,21 +200,21 @@ class PrefillService(RoomService):
             elif isinstance(msg, RoomAck):
                 self._ack(peer, msg)
             elif isinstance(msg, Heartbeat):
-                wall = time.time()
+                wall = self.port.wall()
                 if msg.wall:
                     peer.skew = msg.wall - wall
                 peer.writes_until = max(peer.writes_until, msg.writes_until)
-                self.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall, clock=self.clock()))
+                self.port.send_peer(identity, HeartbeatAck(seq=msg.seq, wall=wall, clock=self.clock()))
             elif isinstance(msg, RoomFailed):
                 self._peer_failed(peer, msg)
             else:
                 raise errors.BadMessage(f"a prefill daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
         except PdxferError as exc:
-            self.send_peer(identity, PeerError(code=exc.code, message=exc.message, room=exc.room))
+            self.port.send_peer(identity, PeerError(code=exc.code, message=exc.message, room=exc.room))
         except Exception as exc:  # H1
             self.count_failure("internal")
             log.exception("internal error handling %s from peer", type(msg).__name__)
-            self.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
+            self.port.send_peer(identity, PeerError(code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=getattr(msg, "room", 0)))
 
     def refuse_unauthenticated(self, identity: bytes, payloads: list[bytes], why: str) -> None:
         """A message whose signature does not check (wire.seal.Seal): refused with the reason,
@@ -230,13 +231,13 @@ class PrefillService(RoomService):
                 who, session = f"{msg.name!r} session {msg.session!r}, {who}", msg.session
         self.count_failure("unauthenticated")
         log.warning("refused decode daemon %s (unverified: as it names itself): %s", who, why, extra={"peer": session})
-        self.send_peer(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=why))
+        self.port.send_peer(identity, PeerRefused(code=ErrorCode.UNAUTHENTICATED, reason=why))
 
     def _hold(self, identity: bytes, incarnation: str, raw: bytes) -> None:
         """Keep what decode daemons send before our engine registered (bounded by
         max_rooms); their rooms' bootstrap timeout covers an engine that never does."""
         if len(self._early) >= self.config.max_rooms or self._early_bytes + len(raw) > EARLY_BYTES:
-            self.send_peer(identity, PeerError(code=ErrorCode.BUSY, message="the prefill engine has not registered yet and the early-message queue is full"))
+            self.port.send_peer(identity, PeerError(code=ErrorCode.BUSY, message="the prefill engine has not registered yet and the early-message queue is full"))
             return
         self._early.append((identity, incarnation, raw))
         self._early_bytes += len(raw)
@@ -249,23 +250,23 @@ class PrefillService(RoomService):
 
     def _hello(self, identity: bytes, hello: PeerHello) -> None:
         if hello.version != PROTOCOL_VERSION:
-            self.send_peer(identity, PeerRefused(code=ErrorCode.VERSION_MISMATCH, reason=f"peer speaks protocol {hello.version}, this prefill daemon speaks {PROTOCOL_VERSION}"))
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.VERSION_MISMATCH, reason=f"peer speaks protocol {hello.version}, this prefill daemon speaks {PROTOCOL_VERSION}"))
             return
         try:
             paths.check_engine_release(self.config.protocol, hello.engine_release, f"decode daemon {hello.name or hello.session}'s")
         except errors.Unsupported as exc:
-            self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=exc.message))
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=exc.message))
             log.warning("refused decode daemon %s: %s", hello.session, exc.message, extra={"peer": hello.session})
             return
         if hello.sessions and hello.sessions[0] != hello.session:
             reason = f"peer_hello sessions {list(hello.sessions)} do not start with its session {hello.session!r}"
-            self.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
             log.warning("refused decode daemon %s: %s", hello.session, reason, extra={"peer": hello.session})
             return
         ours = compat(self.kv, self.aux)
         if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
             diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"
-            self.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=f"incompatible KV layout: {diff}"))
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=f"incompatible KV layout: {diff}"))
             log.warning("refused decode daemon %s: incompatible KV layout: %s", hello.session, diff, extra={"peer": hello.session})
             return
         peer = self.peers.get(identity)
@@ -278,7 +279,7 @@ class PrefillService(RoomService):
             old, peer.hello = peer.hello, hello
             if hello.memory_version != old.memory_version:
                 self._peer_relocated(peer, old.memory_version)
-        self.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
+        self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
 
     def _peer_relocated(self, peer: DecodePeer, old_version: int) -> None:
         """C3: rooms whose blocks were planned against the old destination fail."""
@@ -293,11 +294,11 @@ class PrefillService(RoomService):
         if room is None and msg.room in self.finished:
             state, code, reason = self.finished[msg.room]
             why = f"the prefill engine already finished this room ({state.value}{': ' + reason if reason else ''})"
-            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=code or ErrorCode.UNKNOWN_ROOM, reason=why, fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=code or ErrorCode.UNKNOWN_ROOM, reason=why, fenced=True))
             return
         if room is not None and room.finished and not (w and w.peer):
             # Failed before the decode side showed up: tell it, with nothing in flight.
-            self.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
             return
         if room is not None and (room.finished or (w and w.peer)):
             raise errors.DuplicateRoom(f"room {msg.room} was already requested", room=msg.room, side=errors.Side.PEER)
@@ -321,7 +322,7 @@ class PrefillService(RoomService):
         if room.state is RoomState.TRANSFERRING:
             self._start(room, w, announce=RoomAccepted(room=room.id, input_ready=True))
         else:
-            self.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=False))
+            self.port.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=False))
 
     def _start(self, room: Room, w: PrefillWork, announce: Message) -> None:
         """Both halves are in: check everything, plan, and hand the blocks to the pump.
@@ -359,10 +360,10 @@ class PrefillService(RoomService):
                 f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
                 "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
             return
-        self.send_peer(w.peer, announce)
+        self.port.send_peer(w.peer, announce)
         w.lease_end = min(now + self._lease(req), leave)
         w.job = Job(room.id, peer.sessions, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
-        self.pump.submit(w.job)
+        self.port.submit(w.job)
 
     def _lease(self, req: RoomRequest) -> float:
         """Seconds this room may keep submitting writes: our transfer timeout, or the
@@ -395,13 +396,13 @@ class PrefillService(RoomService):
         stamp = stamp_for(room.id, req.generation, payload)
         if self.aux_path is paths.AuxPath.TCP:
             w.job = None
-            self.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
+            self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
             return
         aux.write_header(room.slot, stamp)
         dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
         blocks = Blocks.of([aux.slot_address(room.slot)], [dst], [HEADER_BYTES + len(payload)])
         w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
-        self.pump.submit(w.job)
+        self.port.submit(w.job)
 
     def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
         req = w.request
@@ -423,7 +424,7 @@ class PrefillService(RoomService):
             return
         w.job = None
         room.bytes_moved += job.blocks.nbytes
-        self.send_peer(w.peer, self._record(room, w, self._aux().header(room.slot)))
+        self.port.send_peer(w.peer, self._record(room, w, self._aux().header(room.slot)))
 
     def _settled(self, room: Room, job: Job) -> None:
         """A failed room's last writes drained: it is fenced, and the peer may reuse
@@ -433,7 +434,7 @@ class PrefillService(RoomService):
         if job.abandoned:
             return  # writes may still land: the decode side waits for another proof
         if w.peer:
-            self.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
+            self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
         self.fenced(room)
 
     def transport_closed(self) -> int:
@@ -466,7 +467,7 @@ class PrefillService(RoomService):
             self.count_failure("ignored:room-of-another-peer")
             log.warning("room %d: ignored room_failed from decode daemon %s: the room belongs to another decode daemon (%s)",
                         msg.room, peer.hello.name or peer.label, msg.reason)
-            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="this prefill wrote nothing for your room under this id", fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="this prefill wrote nothing for your room under this id", fenced=True))
             return
         if room is not None and not room.finished:
             self.fail(room, msg.code, f"decode side: {msg.reason}")
@@ -474,7 +475,7 @@ class PrefillService(RoomService):
         if room is None and msg.room not in self.finished:  # its request never reached us: a later send() hears why
             self.remember(msg.room, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
         if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
-            self.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
 
     # --- peer health
 
@@ -527,9 +528,9 @@ class PrefillService(RoomService):
             return True
         in_flight = w.job is not None and not w.job.settled
         if in_flight:
-            self.pump.cancel(w.job)
+            self.port.cancel(w.job)
         if w.peer:
-            self.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))
+            self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))
         return not in_flight
 
     def engine_of(self, room: Room) -> bytes:

@@ -1,0 +1,84 @@
+"""What a role does to the world outside it: one typed port per role, handed to its
+constructor (hypercorn's ``send``). The role decides; the port carries it out.
+
+A role reaches its engine, its peers, the transfer pump, host memory, timers and the
+clock through its port and nothing else, so a test drives it with a port that records
+(tests/roles/) and a daemon with one that posts to sockets and the pump
+(daemon/ports.py). There is no default: a role built without a port cannot run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from ..core.protocol import MemoryHandle, Message, RoomState
+from ..core.rooms import Room
+from ..transport import Job
+
+
+class Mapping(Protocol):
+    """An engine buffer mapped into this process and registered with the transport."""
+
+    address: int
+
+    def close(self) -> None: ...
+
+
+class Port(Protocol):
+    """What both roles need."""
+
+    def clock(self) -> float:
+        """Monotonic seconds: what room deadlines, leases and heartbeats are measured in."""
+
+    def wall(self) -> float:
+        """Wall-clock seconds since the epoch, told to peers so they can estimate skew."""
+
+    def send_engine(self, identity: bytes, message: Message) -> None:
+        """A message to the engine connection ``identity`` (a room's status)."""
+
+    async def map_memory(self, handle: MemoryHandle) -> Mapping:
+        """Map an engine buffer and register it with the transport, or raise (and
+        leave nothing mapped)."""
+
+    def release_mapping(self, mapping: Mapping) -> None:
+        """Unregister a replaced buffer from the transport and unmap it (no write of
+        it can land any more)."""
+
+    def observe(self, room: Room, left: RoomState | None, now: float) -> None:
+        """The room table moved ``room`` out of ``left`` (None: created) at ``now``:
+        metrics and logs. Runs on every transition, so it is cheap."""
+
+
+class PrefillPort(Port, Protocol):
+    """A prefill daemon answers decode daemons and writes into them."""
+
+    def send_peer(self, identity: bytes, message: Message) -> None:
+        """A message to the decode daemon connected as ``identity``."""
+
+    def submit(self, job: Job) -> None:
+        """Write ``job``'s blocks; ``job.on_done`` runs once every one settled."""
+
+    def cancel(self, job: Job) -> None:
+        """Submit no more of ``job``; its ``on_done`` still waits for what is in flight."""
+
+
+class DecodePort(Port, Protocol):
+    """A decode daemon opens one link per prefill daemon, and may find them by name."""
+
+    def open_link(self, endpoint: str) -> None:
+        """Connect to the prefill daemon at ``endpoint`` (the link reconnects by itself)."""
+
+    def close_link(self, endpoint: str) -> None: ...
+
+    def send_link(self, endpoint: str, message: Message) -> None:
+        """A message on the link to ``endpoint``; posted while it is down, it waits for it."""
+
+    def later(self, delay: float, fn: Callable[[], None]) -> object:
+        """Call ``fn`` after ``delay`` seconds."""
+
+    def resolve(self, name: str) -> str | None:
+        """The bootstrap address of the prefill daemon registered as ``name`` (raises
+        PdxferError, unknown_peer, when none is); None when this daemon has no registry."""
+
+    def incarnation_of(self, name: str) -> str:
+        """The incarnation the registry holds for the daemon ``name`` now ("" if none)."""
