@@ -15,8 +15,8 @@ from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, PeerHello, Role, R
 from pdxfer.transport import Job
 from pdxfer.core.rooms import Event
 
-from .conftest import small_layout
-from .roles.port import RecordingPort
+from ..conftest import small_layout
+from .port import RecordingPort
 
 
 def hello(name: str, sessions: tuple[str, ...]) -> PeerHello:

@@ -1,0 +1,36 @@
+"""Every member of a role's port is implemented by the daemon's port for that role and
+by the recording one the role tests use: a port missing a method would fail only when
+a role first calls it, in a daemon, perhaps on a rare path."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdxfer.core.config import Config
+from pdxfer.core.protocol import Role
+from pdxfer.daemon.server import Daemon, DecodeDaemonPort, PrefillDaemonPort
+from pdxfer.roles.ports import DecodePort, Port, PrefillPort
+
+from .port import RecordingPort
+
+
+def members(protocol: type) -> set[str]:
+    """What a typing.Protocol asks for, its bases' included."""
+    return {name for cls in protocol.__mro__ if Port in cls.__mro__ for name in vars(cls) if not name.startswith("_")}
+
+
+def test_the_ports_ask_for_what_the_roles_do():
+    assert members(PrefillPort) == members(Port) | {"send_peer", "submit", "cancel"}
+    assert members(DecodePort) == members(Port) | {"open_link", "close_link", "send_link", "later", "resolve", "incarnation_of"}
+    assert members(Port) == {"clock", "wall", "send_engine", "map_memory", "release_mapping", "observe"}
+
+
+@pytest.mark.parametrize("protocol, role, made", [
+    (PrefillPort, Role.PREFILL, PrefillDaemonPort),
+    (DecodePort, Role.DECODE, DecodeDaemonPort),
+])
+def test_the_daemon_and_the_recording_port_implement_every_member(protocol, role, made):
+    daemon = Daemon(Config(role=role))
+    for port in (made(daemon, observe=lambda room, left, now: None), RecordingPort()):
+        missing = sorted(name for name in members(protocol) if not callable(getattr(port, name, None)))
+        assert missing == [], f"{type(port).__name__} lacks {missing}"
