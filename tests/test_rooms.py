@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pdxfer.core import errors
 from pdxfer.core.protocol import ErrorCode, Role, RoomState
-from pdxfer.core.rooms import TRANSITIONS, Event, RoomTable, Timeouts, next_state
+from pdxfer.core.rooms import IMPLIED, TRANSITIONS, Event, RoomTable, Timeouts, next_state
 
 B = RoomState.BOOTSTRAPPING
 W = RoomState.WAITING_FOR_INPUT
@@ -34,9 +34,15 @@ EXPECTED_TABLE = {
     (B, Event.INPUT_READY): B,  # remembered, not a state change
     (W, Event.INPUT_READY): T,
     (T, Event.DONE): S,
+    (T, Event.AUX_LANDED): S,
     (B, Event.FAIL): F,
     (W, Event.FAIL): F,
     (T, Event.FAIL): F,
+}
+# The decode side's verified aux record stands for the notices it may come before.
+EXPECTED_IMPLIED = {
+    (B, Event.AUX_LANDED): Event.BOOTSTRAPPED,
+    (W, Event.AUX_LANDED): Event.INPUT_READY,
 }
 
 
@@ -65,6 +71,7 @@ def room_in(table: RoomTable, state: RoomState, room_id: int = 1, now: float = 0
 
 def test_transition_table_is_exactly_the_designed_one():
     assert TRANSITIONS == EXPECTED_TABLE
+    assert IMPLIED == EXPECTED_IMPLIED
 
 
 @pytest.mark.parametrize(("state", "event"), sorted(EXPECTED_TABLE, key=str))
@@ -84,7 +91,7 @@ def test_every_legal_transition(state, event):
 ILLEGAL = [
     (state, event)
     for state, event in itertools.product(LIVE, Event)
-    if (state, event) not in EXPECTED_TABLE
+    if (state, event) not in EXPECTED_TABLE and (state, event) not in EXPECTED_IMPLIED
 ]
 
 
@@ -122,6 +129,29 @@ def test_terminal_states_are_sticky(state, event):
     assert table.apply(room, event, 50.0, code=ErrorCode.TIMEOUT, reason="late") is False
     # A late completion must not revive a failed room, nor a late failure undo success.
     assert (room.state, room.deadline, list(room.history), room.code, room.reason, room.has_input) == before
+
+
+@pytest.mark.parametrize(("state", "path"), [(B, [W, T, S]), (W, [T, S]), (T, [S])], ids=lambda v: getattr(v, "value", None))
+def test_the_aux_record_lands_a_room_from_any_live_state_through_every_state_after_it(state, path):
+    """Whatever notices came before it (room_accepted, transfer_started), the verified aux
+    record ends the room; the states it implies are each entered, at the same time."""
+    table = new_table()
+    seen = []
+    table.observer = lambda room, left, now: seen.append((left, room.state, now))
+    room = room_in(table, state)
+    assert table.apply(room, Event.AUX_LANDED, 4.0) is True
+    before = [B, W, T][: [B, W, T].index(state) + 1]
+    assert room.history == [(s, 0.0) for s in before] + [(target, 4.0) for target in path]
+    assert seen[-len(path):] == [(left, target, 4.0) for left, target in zip([state, *path], path)]
+    assert room.has_input and room.deadline == 4.0 + TIMEOUTS.retention
+
+
+def test_an_aux_record_after_early_input_skips_waiting_as_bootstrapped_would():
+    table = new_table()
+    room = table.create(1, Role.DECODE, 0.0)
+    table.apply(room, Event.INPUT_READY, 1.0)
+    assert table.apply(room, Event.AUX_LANDED, 2.0) is True
+    assert room.history == [(B, 0.0), (T, 2.0), (S, 2.0)]
 
 
 def test_early_input_ready_then_bootstrapped_goes_straight_to_transferring():

@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproj
 
 import msgspec
 
+from .liveness import Heartbeats
 from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
@@ -137,18 +138,19 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
 
     @property
-    def heartbeat_bound(self) -> float:
-        """Seconds of silence after which a peer is declared dead."""
-        return self.heartbeat_interval * self.heartbeat_misses
+    def heartbeats(self) -> Heartbeats:
+        """The heartbeat rule these settings give (liveness.py)."""
+        return Heartbeats(self.heartbeat_interval, self.heartbeat_misses)
 
     @property
     def silence_bound(self) -> float:
         """Seconds this daemon's loop may stand still before something declares it gone:
-        its peers after heartbeat_bound; with a registry, its lease when a stall starts
+        its peers after the heartbeat bound; with a registry, its lease when a stall starts
         just before a renewal (the lease then has registry_ttl less one renewal interval left)."""
+        bound = self.heartbeats.bound
         if not self.registry:
-            return self.heartbeat_bound
-        return min(self.heartbeat_bound, self.registry_ttl * (1 - 1 / RENEWALS_PER_TTL))
+            return bound
+        return min(bound, self.registry_ttl * (1 - 1 / RENEWALS_PER_TTL))
 
     @property
     def instance(self) -> str:

@@ -6,6 +6,10 @@ No I/O and no clock: every call that depends on time takes ``now``.
          |  (input_ready first: remembered; bootstrapped then goes straight to Transferring)
          +------------------------ fail, from any live state ------------------------> Failed
 
+On the decode side the verified aux record (aux_landed) ends a room from any live state:
+it may be the first the decode side hears of the room's transfer, and it implies the
+notices it did not get (IMPLIED); the room passes every state on the way.
+
 Success and Failed are terminal and sticky: a late event for a finished room changes
 nothing (a completion that arrives after the room failed must not revive it). Any
 other move not in the table is a bug and raises IllegalTransition.
@@ -33,7 +37,8 @@ F = RoomState.FAILED
 class Event(str, enum.Enum):
     BOOTSTRAPPED = "bootstrapped"  # both halves of the room are known to this daemon
     INPUT_READY = "input_ready"  # prefill: the engine's send; decode: the prefill began writing
-    DONE = "done"  # decode: aux stamp verified; prefill: decode acknowledged that
+    DONE = "done"  # prefill: the decode side acknowledged the aux record
+    AUX_LANDED = "aux_landed"  # decode: the aux record verified (its stamp, and the KV digest if asked)
     FAIL = "fail"
 
 
@@ -42,9 +47,23 @@ TRANSITIONS: dict[tuple[RoomState, Event], RoomState] = {
     (B, Event.INPUT_READY): B,
     (W, Event.INPUT_READY): T,
     (T, Event.DONE): S,
+    (T, Event.AUX_LANDED): S,
     (B, Event.FAIL): F,
     (W, Event.FAIL): F,
     (T, Event.FAIL): F,
+}
+
+
+# Events that stand for others the room has not seen yet. The prefill sends a room's aux
+# record only once it had both halves and wrote the KV, so the record says the room was
+# bootstrapped and its input ready: an inline room's record (its KV inside), or the record
+# of a room whose prefill had its input first, is the first the decode side hears of the
+# room's transfer. Before the event itself, the room takes the implied event of each state
+# it is in (each moves it on), so its history and the observer see every state, as if the
+# notices had come.
+IMPLIED: dict[tuple[RoomState, Event], Event] = {
+    (B, Event.AUX_LANDED): Event.BOOTSTRAPPED,
+    (W, Event.AUX_LANDED): Event.INPUT_READY,
 }
 
 
@@ -170,7 +189,13 @@ class RoomTable:
         code: ErrorCode | None = None,
         reason: str = "",
     ) -> bool:
-        """Move ``room`` by ``event``. Returns whether its state changed."""
+        """Move ``room`` by ``event``, after the events it implies (IMPLIED). Returns
+        whether its state changed."""
+        implied = IMPLIED.get((room.state, event))
+        if implied is not None:  # each moves the room on, so this ends
+            self.apply(room, implied, now)
+            self.apply(room, event, now, code=code, reason=reason)
+            return True
         target = next_state(room.state, event, room.has_input)
         if target is None:
             return False

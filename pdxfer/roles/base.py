@@ -93,6 +93,7 @@ class RoomService:
         self.failures: collections.Counter[str] = collections.Counter()
         self.engines: set[bytes] = set()  # engine connections that said hello
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
+        self.heartbeats = config.heartbeats
         self.heartbeat_misses = 0
         self.bytes_received = 0  # decode: KV and aux bytes of rooms that succeeded
         self.kv_inline_rooms = self.kv_inline_bytes = 0  # prefill: rooms whose KV rode their aux record, and its bytes
@@ -326,11 +327,11 @@ class RoomService:
         """When a failed room's slot is released if its writer never confirms."""
         return now + self.config.fence_timeout
 
-    def _stalled(self, now: float, limit: float) -> bool:
-        """Whether this daemon itself stood still (SIGSTOP, swap) for over half the
-        heartbeat bound since the last tick: peers' silence is then ours."""
+    def _stalled(self, now: float) -> bool:
+        """Whether this daemon itself stood still (SIGSTOP, swap) since the last tick
+        for long enough that peers' silence meanwhile is ours (liveness.py)."""
         last, self._last_tick = self._last_tick, now
-        return bool(last) and now - last > limit / 2
+        return self.heartbeats.stood_still(last, now)
 
     def count_failure(self, reason: str, n: int = 1) -> None:
         self.failures[reason] += n
@@ -404,8 +405,9 @@ class RoomService:
         if room.slot >= 0 and self.aux is not None:
             self.aux.slots.fence(room.slot, room.generation, self.clock())
 
-    def succeed(self, room: Room) -> None:
-        if self.rooms.apply(room, Event.DONE, self.clock()):
+    def succeed(self, room: Room, event: Event) -> None:
+        """``event`` ends the room well: the decode side's ack (prefill), or the verified aux record (decode)."""
+        if self.rooms.apply(room, event, self.clock()):
             self.outcomes["success"] += 1
             self.bytes_received += room.bytes_moved if self.role is Role.DECODE else 0
             room.fenced = True

@@ -44,6 +44,7 @@ import numpy as np
 from ..core import errors, paths
 from ..core.config import Config
 from ..core.errors import IllegalTransition, PdxferError
+from ..core.liveness import resumed
 from ..core.plan import check_pages, pages_from_bytes
 from ..core.protocol import (
     UNDECODABLE,
@@ -65,7 +66,6 @@ from ..core.protocol import (
     RoomAck,
     RoomFailed,
     RoomRequest,
-    RoomState,
     TransferStarted,
     compat_hash,
 )
@@ -82,7 +82,6 @@ log = logging.getLogger("pdxfer.decode")
 # Offset samples kept per link: the best (largest) of the recent ones is used; older
 # ones go, since two hosts' monotonic clocks drift apart (tens of ppm).
 OFFSET_SAMPLES = 8
-IDLE_LINK_SECONDS = 60.0  # an idle link not heard from for this long (or 10 heartbeat bounds) is closed
 
 
 @functools.lru_cache(maxsize=1024)  # parsed for every expect(); prefill addresses are few
@@ -450,12 +449,8 @@ class DecodeService(RoomService):
             self.fail(room, exc.code, exc.message)
             return
         aux.slots.mark_written(msg.slot, msg.generation, self.clock())
-        if room.state is RoomState.BOOTSTRAPPING:  # the prefill had its input already: no room_accepted came
-            self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
-        if room.state is RoomState.WAITING_FOR_INPUT:
-            self.rooms.apply(room, Event.INPUT_READY, self.clock())
         room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
-        self.succeed(room)
+        self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
         self.port.send_link(endpoint, RoomAck(room=room.id))
 
     def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
@@ -494,26 +489,25 @@ class DecodeService(RoomService):
     def tick(self) -> None:
         super().tick()
         now = self.clock()
-        interval = self.config.heartbeat_interval
-        limit = self.config.heartbeat_bound
+        rule = self.heartbeats
         slots = self.aux.slots.slots if self.aux is not None else []
-        stalled = self._stalled(now, limit)
+        stalled = self._stalled(now)
         for link in list(self.links.values()):
             if stalled:  # we were frozen, not they silent: start their clocks again
-                link.last_heard = max(link.last_heard, now)
-            if not link.rooms and now - link.last_heard > max(IDLE_LINK_SECONDS, 10 * limit):
+                link.last_heard = resumed(link.last_heard, now)
+            if not link.rooms and rule.idle(link.last_heard, now):
                 self._forget_link(link)
                 continue
             link.unfenced = {r: (s, g) for r, (s, g) in link.unfenced.items() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
-            if link.connected and now - link.last_beat >= interval:
-                if link.beats and link.last_heard < link.last_beat:
+            if link.connected and rule.due(link.last_beat, now):
+                if rule.missed(link.beats, link.last_beat, link.last_heard):
                     self.heartbeat_misses += 1  # not a word since the last one
                 link.beats += 1
                 link.last_beat, link.beat_wall = now, self.port.wall()
                 self.port.send_link(link.endpoint, Heartbeat(seq=link.beats, wall=link.beat_wall, writes_until=link.writes_until(now, self._leave_span)))
             # Silence counts only once the prefill has answered at all; before that the
             # bootstrap timeout covers a prefill that never shows up.
-            if link.incarnation and now - link.last_heard > limit and self._live_rooms(link):
+            if link.incarnation and rule.dead(link.last_heard, now) and self._live_rooms(link):
                 self.declare_dead(link, f"prefill {link.endpoint} answered nothing for {now - link.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
 
     def _live_rooms(self, link: PrefillLink) -> bool:

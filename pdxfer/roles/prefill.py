@@ -34,6 +34,7 @@ import numpy as np
 from ..core import errors, paths
 from ..core.config import Config
 from ..core.errors import PdxferError
+from ..core.liveness import resumed
 from ..core.plan import (
     Blocks,
     check_capacity,
@@ -455,7 +456,7 @@ class PrefillService(RoomService):
         if room.state.value != "transferring":
             return  # failed meanwhile: the failure stands
         room.bytes_moved = room.bytes_planned  # the decode side verified every byte of it, aux included
-        self.succeed(room)
+        self.succeed(room, Event.DONE)
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
         room = self.rooms.find(msg.room)
@@ -501,12 +502,11 @@ class PrefillService(RoomService):
 
     def tick(self) -> None:
         super().tick()
-        limit = self.config.heartbeat_bound
         now = self.clock()
-        if self._stalled(now, limit):  # we were frozen, not they silent: start their clocks again
+        if self._stalled(now):  # we were frozen, not they silent: start their clocks again
             for peer in self.peers.values():
-                peer.last_heard = max(peer.last_heard, now)
-        for peer in [p for p in self.peers.values() if now - p.last_heard > limit]:
+                peer.last_heard = resumed(peer.last_heard, now)
+        for peer in [p for p in self.peers.values() if self.heartbeats.dead(p.last_heard, now)]:
             self.declare_dead(peer, f"decode daemon {peer.hello.name or peer.label} sent nothing for {now - peer.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
 
     def declare_dead(self, peer: DecodePeer, reason: str) -> None:
