@@ -202,7 +202,7 @@ def test_the_pump_started_by_a_yielding_daemon_keeps_the_normal_policy():
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
 def test_a_process_that_could_not_leave_sched_idle_does_not_yield_and_says_why():
-    code = "from pdxfer import cpu_yield; print(cpu_yield.unavailable())"
+    code = "from pdxfer.host import cpu_yield; print(cpu_yield.unavailable())"
     out = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=60)
     if out.returncode != 0 and "setpriv" in out.stderr:
