@@ -431,9 +431,9 @@ class PrefillService(RoomService):
         """A failed room's last writes drained: it is fenced, and the peer may reuse
         the pages and slot it gave us."""
         w = self.work[room.id]
-        w.job = None
         if job.abandoned:
-            return  # writes may still land: the decode side waits for another proof
+            return  # writes may still land: the decode side waits for another proof (kept for transport_closed)
+        w.job = None
         if w.peer:
             self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
         self.fenced(room)
@@ -526,8 +526,10 @@ class PrefillService(RoomService):
         w = self.work.get(room.id)
         if w is None:
             return True
-        in_flight = w.job is not None and not w.job.settled
-        if in_flight:
+        # A job the pump abandoned has settled, but its writes may still land (a wedged
+        # session): that is no proof, so the decode side is not told fenced.
+        in_flight = w.job is not None and (not w.job.settled or w.job.abandoned)
+        if w.job is not None and not w.job.settled:
             self.port.cancel(w.job)
         if w.peer:
             self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))

@@ -267,6 +267,41 @@ def test_writes_the_pump_abandoned_for_a_failed_room_are_no_proof():
     assert service.aux.slots.slots[service.rooms.get(7).slot].state is SlotState.QUARANTINED
 
 
+def test_a_live_room_whose_writes_the_pump_abandoned_fails_unfenced():
+    """A stalled session: the pump gives up on the room's writes, which may still land.
+    The room fails, and its decode side must not hear fenced (S2)."""
+    service = prefill()
+    port = service.port
+    hello(service)
+    job = transferring(service, 7)
+    job.abandoned = True
+    settle(job, error="stalled")
+    room = service.rooms.get(7)
+    assert room.state is RoomState.FAILED and not room.fenced
+    assert port.take() == [
+        ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="stalled", fenced=False)),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="stalled")),
+    ]
+    assert port.cancelled == []  # settled: nothing left to cancel
+
+
+def test_stopping_confirms_fenced_the_rooms_whose_writes_were_abandoned():
+    """Once this daemon's transfer engines are closed, abandoned writes cannot land:
+    transport_closed() tells each such room's decode side fenced, live-failed rooms too."""
+    service = prefill()
+    port = service.port
+    job = failed_by_its_decode_side(service)
+    job.abandoned = True
+    settle(job, error="stalled")
+    other = transferring(service, 8)
+    other.abandoned = True
+    settle(other, error="stalled")
+    port.take()
+    assert service.transport_closed() == 2
+    assert sorted((m.room, m.fenced) for kind, _, m in port.take() if isinstance(m, RoomFailed)) == [(7, True), (8, True)]
+    assert service.rooms.get(7).fenced and service.rooms.get(8).fenced
+
+
 def test_room_failed_for_a_room_with_nothing_in_flight_is_acknowledged_fenced_at_once():
     service = prefill()
     port = service.port
