@@ -1,21 +1,28 @@
-"""The engine-side library: create shared-memory KV pools and aux buffers, register
-them with the local daemon, and run rooms.
+"""The engine-side library: register the engine's KV memory (or create shared-memory
+KV pools) and aux buffers with the local daemon, and run rooms.
 
     endpoint = pdxfer.core.config.load({"role": "decode"}).engine_address  # the daemon beside us
-    with Client(endpoint) as client:
-        kv = client.create_kv_pool(KVLayout(layout=Layout.MHA, num_layers=32, num_pages=4096,
-                                            page_size=16, token_bytes=1024, dtype="bfloat16"))
+    with Client(endpoint, engine_id="decode-0", rank=Rank(tp=0)) as client:
+        client.register_kv(buffers, spec, regions)   # memory the engine owns (protocol.KVSpec, KVRegion)
         aux = client.create_aux_buffer(num_slots=256, payload_bytes=4096)
         slot = client.alloc_slot()
-        client.expect(room, "10.0.0.5:8998", pages, slot, num_draft_tokens=4)
+        client.expect(room, "10.0.0.5:8998", pages, slot, skip_pages=prefix_pages, num_draft_tokens=4)
         status = client.wait(room)          # Success, or Failed once fenced
         record = aux.read(slot, room)       # the aux record, checked against its stamp
-        ...read the prompt's KV from kv.tensors()[i][pages]...
+        ...read the prompt's KV from the engine's pages...
         client.release(room)
+
+A prefill announces a room, learns the decode's pages from its status
+(waiting_for_input), and sends it in chunks as they are computed:
+``send(room, pages, first_page=0, last=False)``, then the last chunk with its token
+count and aux slot. ``create_kv_pool(KVLayout)`` makes a shared-memory pool and
+registers it the same way.
 
 examples/engine.py runs both sides in full. ``Client`` is synchronous (one call at a
 time, no threads); ``AsyncClient`` has the same methods as coroutines. Both raise
-pdxfer.errors types for error replies.
+pdxfer.errors types for error replies. The daemon pushes every change of a room's
+state to the connection that owns the room, so ``poll()`` answers from what was
+pushed, without a round trip.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ import numpy as np
 import zmq
 
 from .core import errors
-from .core.plan import layout_regions, pages_to_bytes, pool_bytes, region_views
+from .core.plan import layout_registration, layout_regions, pages_to_bytes, pool_bytes, region_views
 from .core.protocol import (
+    ONE_RANK,
     PROTOCOL_VERSION,
     Abort,
     AllocSlot,
+    Announce,
     Busy,
     Codec,
     EngineHello,
@@ -43,11 +52,16 @@ from .core.protocol import (
     FreeSlot,
     GetStats,
     KVLayout,
+    KVRegion,
+    KVSpec,
+    MemoryHandle,
     Message,
     Poll,
+    Rank,
     RegisterAux,
     RegisterKV,
     Release,
+    Role,
     RoomState,
     RoomStatus,
     Send,
@@ -177,25 +191,32 @@ class AuxBuffer:
 class _Requests:
     """Message builders shared by both clients."""
 
-    def __init__(self, endpoint: str, timeout: float = 30.0, name: str = "", slot_batch: int = 1) -> None:
-        """``slot_batch`` > 1 keeps up to that many granted slots at hand, asking the
-        daemon once per batch: one round trip less per room for busy engines."""
+    def __init__(self, endpoint: str, timeout: float = 30.0, engine_id: str = "", slot_batch: int = 1, *,
+                 role: Role | None = None, rank: Rank = Rank(), sizes: Rank = ONE_RANK, device: str = "") -> None:
+        """``engine_id`` names the engine instance (stable across its restarts), ``rank``
+        and ``sizes`` its rank and parallel sizes, ``device`` where its KV lives ("cpu",
+        "cuda:0"); the daemon refuses a ``role`` other than its own. ``slot_batch`` > 1
+        keeps up to that many granted slots at hand, asking the daemon once per batch:
+        one round trip less per room for busy engines."""
         self.endpoint = endpoint
         self.timeout = timeout
-        self.name = name
+        self.engine_id = engine_id
+        self.role, self.rank, self.sizes, self.device = role, rank, sizes, device
         self.slot_batch = slot_batch
         self._spare: collections.deque[Slot] = collections.deque()
         self.codec = Codec()
         self.kv: KVPool | None = None
         self.aux: AuxBuffer | None = None
+        self.registration: RegisterKV | None = None  # the KV registration the daemon holds, if any
         self.welcome = None
         self._req = itertools.count(1)
         self._forget_rooms()
 
     def _forget_rooms(self) -> None:
         """What this client heard about rooms: nothing yet (a new connection)."""
-        self._status: dict[int, RoomStatus] = {}  # pushed statuses
-        self._unanswered: set[int] = set()  # rooms whose send()/expect() did not wait, not heard of since
+        self._lost = False  # the daemon went away: what it pushed is no longer news
+        self._status: dict[int, RoomStatus] = {}  # pushed statuses (and bootstrapping, for a room just handed over)
+        self._unanswered: set[int] = set()  # rooms with a send()/expect()/announce() that did not wait
         self._refused: dict[int, Error | Busy] = {}  # what the daemon answered such a request with instead of taking it
         # Rooms sent with release_when_settled, oldest first: no release() forgets them,
         # so their status is forgotten once wait() or poll() returned it settled.
@@ -215,7 +236,6 @@ class _Requests:
         if msg.req == 0:
             if isinstance(msg, RoomStatus):
                 self._status[msg.room] = msg
-                self._unanswered.discard(msg.room)
                 self._pushed(msg)
                 return None
             if isinstance(msg, (Error, Busy)) and msg.room in self._unanswered:
@@ -225,6 +245,7 @@ class _Requests:
 
     def _refuse(self, refusal: Error | Busy) -> None:
         self._unanswered.discard(refusal.room)
+        self._status.pop(refusal.room, None)  # perhaps never the daemon's: poll() asks it
         self._self_released.pop(refusal.room, None)
         self._refused[refusal.room] = refusal
         self._pushed(refusal)
@@ -232,16 +253,19 @@ class _Requests:
     def _pushed(self, msg: RoomStatus | Error | Busy) -> None:
         """A room status the daemon pushed, or a refusal (nothing to do unless someone waits on the room)."""
 
-    def _posting(self, msg: Send | Expect) -> None:
+    def _posting(self, msg: Send | Expect | Announce) -> None:
         """``msg`` leaves without waiting for an answer: listen for its refusal."""
         self._refused.pop(msg.room, None)
         self._unanswered.add(msg.room)
         self._taken(msg)
 
-    def _taken(self, msg: Send | Expect) -> None:
-        """The daemon has (or, not waiting, will have) the room: one it releases itself is
-        remembered until its settled status is claimed; at most MAX_SELF_RELEASED of
-        them, the oldest forgotten first (an engine that never waits for them)."""
+    def _taken(self, msg: Send | Expect | Announce) -> None:
+        """The daemon has (or, not waiting, will have) the room: its status is
+        bootstrapping until a change is pushed (one pushed already stands). One it
+        releases itself is remembered until its settled status is claimed; at most
+        MAX_SELF_RELEASED of them, the oldest forgotten first (an engine that never
+        waits for them)."""
+        self._status.setdefault(msg.room, RoomStatus(req=0, room=msg.room, state=RoomState.BOOTSTRAPPING))
         if isinstance(msg, Send) and msg.release_when_settled:
             self._self_released[msg.room] = None
             if len(self._self_released) > MAX_SELF_RELEASED:
@@ -260,6 +284,17 @@ class _Requests:
         known = self._status.get(room)
         return self._claimed(room, known) if known is not None and settled(known) else None
 
+    def _known(self, room: int) -> RoomStatus | None:
+        """What poll() answers without asking the daemon (B6): the room's latest pushed
+        status, claimed; None for a room this connection has no status of. Raises first
+        DaemonGone if the daemon went away, and the refusal of a request for the room
+        that did not wait."""
+        if self._lost:
+            raise errors.DaemonGone(self._gone())
+        self._raise_refusal(room)
+        known = self._status.get(room)
+        return None if known is None else self._claimed(room, known)
+
     def _raise_refusal(self, room: int) -> None:
         """Raise what the daemon answered a send()/expect() for ``room`` that did not wait with, if it refused it."""
         refusal = self._refused.pop(room, None)
@@ -275,33 +310,65 @@ class _Requests:
     def _kv_version(self, memory_version: int | None) -> int:
         if memory_version is not None:
             return memory_version
-        if self.kv is None:
-            raise errors.NotRegistered("create_kv_pool() first")
-        return self.kv.version
+        if self.registration is None:
+            raise errors.NotRegistered("register_kv() or create_kv_pool() first")
+        return self.registration.memory_version
 
     def _hello(self) -> EngineHello:
-        return EngineHello(req=next(self._req), version=PROTOCOL_VERSION, engine=self.name)
+        return EngineHello(req=next(self._req), version=PROTOCOL_VERSION, engine_id=self.engine_id, role=self.role,
+                           rank=self.rank, sizes=self.sizes, device=self.device)
 
-    def _register_kv(self, pool: KVPool) -> RegisterKV:
-        return RegisterKV(req=next(self._req), memory=pool.memory.handle, layout=pool.layout, memory_version=pool.version)
+    def _register_kv(self, buffers, spec: KVSpec, regions, memory_version: int | None) -> RegisterKV:
+        """A registration replacing the current one: under a higher memory version unless one is given."""
+        if memory_version is None:
+            memory_version = self.registration.memory_version + 1 if self.registration is not None else 1
+        return RegisterKV(req=next(self._req), buffers=tuple(buffers), spec=spec, regions=tuple(regions), memory_version=memory_version)
+
+    def _pool_registration(self, pool: KVPool) -> RegisterKV:
+        spec, regions = layout_registration(pool.layout)
+        return self._register_kv([pool.memory.handle], spec, regions, None)
+
+    def _registered(self, msg: RegisterKV, pool: KVPool | None = None) -> int:
+        """The daemon took ``msg``: it is the registration rooms are computed against."""
+        self.registration = msg
+        if pool is not None:
+            self.kv = pool
+        if self.kv is not None and self.kv.memory.handle in msg.buffers:
+            self.kv.version = msg.memory_version
+        return msg.memory_version
+
+    def _reregistration(self) -> RegisterKV:
+        """The current registration again, under a higher memory version (the engine relocated pages)."""
+        if self.registration is None:
+            raise errors.NotRegistered("register_kv() or create_kv_pool() first")
+        r = self.registration
+        return self._register_kv(r.buffers, r.spec, r.regions, None)
 
     def _register_aux(self, aux: AuxBuffer) -> RegisterAux:
         return RegisterAux(req=next(self._req), memory=aux.memory.handle, num_slots=aux.num_slots, slot_bytes=aux.slot_bytes)
 
-    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled) -> Send:
+    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last) -> Send:
+        if not last:
+            slot, aux_bytes = (0, 0), 0
+        elif slot is None:
+            raise errors.BadMessage(f"the last chunk of room {room} carries its aux slot: send(..., slot=)", room=room)
         if aux_bytes is None:
             aux_bytes = self.aux.payload_bytes if self.aux else 0
         return Send(
             req=next(self._req) if wait else 0, room=room, pages=pages_to_bytes(pages), num_tokens=num_tokens,
             slot=slot[0], generation=slot[1], aux_bytes=aux_bytes, memory_version=self._kv_version(memory_version),
-            release_when_settled=release_when_settled,
+            release_when_settled=release_when_settled, first_page=first_page, last=last,
         )
 
-    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait) -> Expect:
+    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages) -> Expect:
         return Expect(
             req=next(self._req) if wait else 0, room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
             generation=slot[1], memory_version=self._kv_version(memory_version), num_draft_tokens=num_draft_tokens,
+            skip_pages=skip_pages,
         )
+
+    def _announce(self, room: int, wait: bool) -> Announce:
+        return Announce(req=next(self._req) if wait else 0, room=room)
 
     def _poll(self, room: int) -> Poll:
         return Poll(req=next(self._req), room=room)
@@ -330,13 +397,6 @@ class _Requests:
 
     def _stats(self) -> GetStats:
         return GetStats(req=next(self._req))
-
-    def _replace_kv(self) -> KVPool:
-        """The same pool under a new memory version (after the engine relocated pages)."""
-        if self.kv is None:
-            raise errors.NotRegistered("create_kv_pool() first")
-        self.kv.version += 1
-        return self.kv
 
     def _close_pools(self) -> None:
         for pool in (self.kv, self.aux):
@@ -381,6 +441,7 @@ class Client(_Requests):
         ready = dict(self._poller.poll(timeout_ms))
         if self._monitor in ready:
             self._monitor.recv_multipart()
+            self._lost = True
             raise errors.DaemonGone(self._gone())
         return self._sock.recv_multipart() if self._sock in ready else None
 
@@ -412,15 +473,26 @@ class Client(_Requests):
             self._take(frames)
             timeout_ms = 0
 
+    def register_kv(self, buffers: list[MemoryHandle], spec: KVSpec, regions: list[KVRegion], memory_version: int | None = None) -> int:
+        """Register the KV cache the engine owns: its buffers and what their pages mean
+        (A2, A3). Again, it replaces the registration under a higher memory version.
+        Returns the memory version rooms are computed against."""
+        msg = self._register_kv(buffers, spec, regions, memory_version)
+        self._call(msg)
+        return self._registered(msg)
+
     def create_kv_pool(self, layout: KVLayout) -> KVPool:
+        """A shared-memory pool made here, registered as register_kv() does."""
         pool = KVPool.create(layout)
-        self._call(self._register_kv(pool))
-        self.kv = pool
+        msg = self._pool_registration(pool)
+        self._call(msg)
+        self._registered(msg, pool)
         return pool
 
     def reregister_kv(self) -> int:
-        self._call(self._register_kv(self._replace_kv()))
-        return self.kv.version
+        msg = self._reregistration()
+        self._call(msg)
+        return self._registered(msg)
 
     def create_aux_buffer(self, num_slots: int, payload_bytes: int) -> AuxBuffer:
         aux = AuxBuffer.create(num_slots, payload_bytes)
@@ -440,21 +512,31 @@ class Client(_Requests):
         """Rooms and slots by state, failures by reason, peers: what the daemon holds now."""
         return self._call(self._stats())
 
-    def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None,
-             *, wait: bool = True, release_when_settled: bool = False) -> None:
-        """Hand a room's KV (``pages``) and aux record (``slot``) to the daemon.
-        ``wait=False`` returns at once: the daemon then sends no ok, and wait() or
-        poll() for the room raise its refusal, if it refused. ``release_when_settled``:
-        the daemon releases the room itself once it settled; no release() for it."""
-        self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled))
+    def announce(self, room: int, *, wait: bool = False) -> None:
+        """Prefill: this engine will send ``room``. Its status turns waiting_for_input,
+        with the decode's ``pages`` and ``skip_pages``, once the decode's request is in."""
+        self._request(self._announce(room, wait))
+
+    def send(self, room: int, pages, num_tokens: int = 0, slot: Slot | None = None, aux_bytes: int | None = None,
+             memory_version: int | None = None, *, first_page: int = 0, last: bool = True, wait: bool = True,
+             release_when_settled: bool = False) -> None:
+        """Hand the daemon a chunk of a room's KV: source ``pages`` for positions
+        [first_page, first_page + len(pages)), written at once if the decode's request is
+        in. The ``last`` chunk (the default: the whole room) carries the token count and
+        the aux record (``slot``). Positions below the decode's skip_pages are not written.
+        ``wait=False`` returns at once: the daemon then sends no ok, and wait() or poll()
+        for the room raise its refusal, if it refused. ``release_when_settled``: the
+        daemon releases the room itself once it settled; no release() for it."""
+        self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
 
     def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-               *, wait: bool = True) -> None:
-        """Receive a room into ``pages`` and ``slot`` from the prefill daemon at
+               *, skip_pages: int = 0, wait: bool = True) -> None:
+        """Receive a room into ``pages`` (positions skip_pages.. of it: the first
+        ``skip_pages`` this side holds already) and ``slot`` from the prefill daemon at
         ``bootstrap``; ``wait`` as for send()."""
-        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait))
+        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
 
-    def _request(self, msg: Send | Expect) -> None:
+    def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:
             self._call(msg)
             self._taken(msg)
@@ -476,8 +558,10 @@ class Client(_Requests):
             raise
 
     def poll(self, room: int) -> RoomStatus:
+        """The room's status as the daemon last pushed it (no round trip); asks the
+        daemon only about a room this connection holds no status of."""
         self._drain()
-        known = self._known_settled(room)
+        known = self._known(room)
         return known if known is not None else self._claimed(room, self._ask(room))
 
     def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
@@ -537,6 +621,7 @@ class AsyncClient(_Requests):
         """A daemon that went away forgets this engine: fail what waits on it now
         rather than at each call's timeout."""
         if event == "disconnected":
+            self._lost = True
             self._fail_waiting(errors.DaemonGone, self._gone())
 
     def _fail_waiting(self, error: type[errors.PdxferError], message: str) -> None:
@@ -581,7 +666,7 @@ class AsyncClient(_Requests):
         full = self._queue_full()
         for raw in payloads:
             msg = self.codec.engine_requests.decode(raw)
-            if msg.req == 0 and isinstance(msg, (Send, Expect)) and msg.room in self._unanswered:
+            if msg.req == 0 and isinstance(msg, (Send, Expect, Announce)) and msg.room in self._unanswered:
                 self._refuse(Busy(req=0, reason=full, retry_after_ms=10, room=msg.room))
                 continue
             fut = self._pending.pop(msg.req, None)
@@ -604,15 +689,23 @@ class AsyncClient(_Requests):
             raise errors.Timeout(f"daemon at {self.endpoint} did not answer {type(msg).__name__} within {self.timeout:g}s")
         return raise_for(reply)
 
+    async def register_kv(self, buffers: list[MemoryHandle], spec: KVSpec, regions: list[KVRegion], memory_version: int | None = None) -> int:
+        """As Client.register_kv()."""
+        msg = self._register_kv(buffers, spec, regions, memory_version)
+        await self._call(msg)
+        return self._registered(msg)
+
     async def create_kv_pool(self, layout: KVLayout) -> KVPool:
         pool = KVPool.create(layout)
-        await self._call(self._register_kv(pool))
-        self.kv = pool
+        msg = self._pool_registration(pool)
+        await self._call(msg)
+        self._registered(msg, pool)
         return pool
 
     async def reregister_kv(self) -> int:
-        await self._call(self._register_kv(self._replace_kv()))
-        return self.kv.version
+        msg = self._reregistration()
+        await self._call(msg)
+        return self._registered(msg)
 
     async def create_aux_buffer(self, num_slots: int, payload_bytes: int) -> AuxBuffer:
         aux = AuxBuffer.create(num_slots, payload_bytes)
@@ -666,16 +759,21 @@ class AsyncClient(_Requests):
     async def stats(self) -> Stats:
         return await self._call(self._stats())
 
-    async def send(self, room: int, pages, num_tokens: int, slot: Slot, aux_bytes: int | None = None, memory_version: int | None = None,
-                   *, wait: bool = True, release_when_settled: bool = False) -> None:
+    async def announce(self, room: int, *, wait: bool = False) -> None:
+        """As Client.announce()."""
+        await self._request(self._announce(room, wait))
+
+    async def send(self, room: int, pages, num_tokens: int = 0, slot: Slot | None = None, aux_bytes: int | None = None,
+                   memory_version: int | None = None, *, first_page: int = 0, last: bool = True, wait: bool = True,
+                   release_when_settled: bool = False) -> None:
         """As Client.send(): ``wait=False`` spares the daemon's ok and a wake-up per room."""
-        await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled))
+        await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
 
     async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-                     *, wait: bool = True) -> None:
-        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait))
+                     *, skip_pages: int = 0, wait: bool = True) -> None:
+        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
 
-    async def _request(self, msg: Send | Expect) -> None:
+    async def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:
             await self._call(msg)
             self._taken(msg)
@@ -691,7 +789,8 @@ class AsyncClient(_Requests):
             raise
 
     async def poll(self, room: int) -> RoomStatus:
-        known = self._known_settled(room)
+        """As Client.poll(): from pushed statuses, without a round trip."""
+        known = self._known(room)
         return known if known is not None else self._claimed(room, await self._ask(room))
 
     async def wait(self, room: int, timeout: float | None = None) -> RoomStatus:

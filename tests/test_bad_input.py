@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from pdxfer.client import Client
 from pdxfer.core import protocol as p
-from pdxfer.core.plan import compat_of, pages_to_bytes
+from pdxfer.core.plan import compat_of, layout_registration, pages_to_bytes
 from pdxfer.core.protocol import RoomState
 from pdxfer.roles.base import loose_req
 from pdxfer.roles.decode import bootstrap_endpoint
@@ -161,11 +161,11 @@ def check_engine_error(live: Live, sock, raw: bytes, codes: set[str] | None = No
 
 # --- strategies: engine messages
 
-ENGINE_KINDS = ["engine_hello", "register_kv", "register_aux", "alloc_slot", "free_slot", "send", "expect",
+ENGINE_KINDS = ["engine_hello", "register_kv", "register_aux", "alloc_slot", "free_slot", "announce", "send", "expect",
                 "poll", "abort", "release", "get_stats"]
-FIELD_NAMES = ["kind", "req", "version", "engine", "memory", "layout", "memory_version", "num_slots", "slot_bytes",
-               "slot", "generation", "room", "pages", "num_tokens", "aux_bytes", "bootstrap", "num_draft_tokens",
-               "reason", "name", "size"]
+FIELD_NAMES = ["kind", "req", "version", "engine_id", "role", "rank", "sizes", "device", "buffers", "spec", "regions", "memory",
+               "memory_version", "num_slots", "slot_bytes", "slot", "generation", "room", "pages", "first_page", "last",
+               "num_tokens", "aux_bytes", "bootstrap", "num_draft_tokens", "skip_pages", "reason", "name", "size"]
 leaves = (
     st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=16) | st.binary(max_size=32)
@@ -182,13 +182,14 @@ def pages_bytes(pages) -> bytes:
 def template(kind: str, req: int, room: int) -> dict:
     """A well-formed message of ``kind`` (the fuzzers then break one thing in it)."""
     shm = {"kind": "shm", "name": "pdx-fuzz-absent", "size": 1 << 20}
-    layout = {"layout": "mha", "num_layers": 4, "num_pages": NUM_PAGES, "page_size": 4, "token_bytes": 64, "dtype": "bfloat16"}
+    spec, regions = msgspec.to_builtins(layout_registration(small_layout()))
     return {
-        "engine_hello": {"version": p.PROTOCOL_VERSION, "engine": "fuzz"},
-        "register_kv": {"memory": shm, "layout": layout, "memory_version": 2},
+        "engine_hello": {"version": p.PROTOCOL_VERSION, "engine_id": "fuzz"},
+        "register_kv": {"buffers": [shm], "spec": spec, "regions": regions, "memory_version": 2},
         "register_aux": {"memory": shm, "num_slots": 4, "slot_bytes": 96},
         "alloc_slot": {},
         "free_slot": {"slot": 0, "generation": 1},
+        "announce": {"room": room},
         "send": {"room": room, "pages": pages_bytes([5, 6]), "num_tokens": 8, "slot": 0, "generation": 1, "aux_bytes": 0, "memory_version": 1},
         "expect": {"room": room, "bootstrap": "127.0.0.1:1", "pages": pages_bytes([5, 6]), "slot": 0, "generation": 1, "memory_version": 1},
         "poll": {"room": room},
@@ -220,12 +221,12 @@ def malformed_engine_messages(draw) -> bytes:
         elif how == "missing":
             del msg[draw(st.sampled_from(fields))]
         elif how == "oversize":
-            big = {"engine": "x" * 4097, "reason": "x" * 4097, "bootstrap": "h" * 300}
+            big = {"engine_id": "x" * 4097, "reason": "x" * 4097, "bootstrap": "h" * 300}
             field = draw(st.sampled_from([f for f in fields if f in big] or ["req"]))
             msg[field] = big.get(field, 2**64 - 1)  # 2**64 - 1 is over req's int63 bound
         else:  # room 0 is never a room
             if "room" not in msg:
-                msg = template(draw(st.sampled_from(["send", "expect", "poll", "abort", "release"])), 1, 1)
+                msg = template(draw(st.sampled_from(["announce", "send", "expect", "poll", "abort", "release"])), 1, 1)
             msg["room"] = 0
         raw = msgspec.msgpack.encode(msg)
     assume(not engine_decodes(raw))
@@ -267,10 +268,11 @@ def semantic_engine_errors(draw):
     req = draw(req_ids)
     room = draw(fresh_rooms)
     case = draw(st.sampled_from([
-        "unknown_poll", "unknown_release", "hello_version", "free_slot", "wrong_role", "expect_pages", "expect_empty",
+        "unknown_poll", "unknown_release", "hello_version", "hello_role", "hello_cp", "hello_rank", "hello_second_rank",
+        "free_slot", "wrong_role", "announce_to_decode", "send_no_slot", "expect_pages", "expect_empty",
         "expect_ragged", "expect_version", "expect_duplicate", "expect_slot", "expect_ungranted", "expect_bootstrap",
         "send_pages", "send_tokens", "send_aux", "send_duplicate", "send_ungranted", "register_kv_version",
-        "register_kv_small", "register_kv_absent", "register_gpu", "register_aux_small", "register_aux_absent",
+        "register_kv_small", "register_kv_region", "register_kv_absent", "register_gpu", "register_aux_small", "register_aux_absent",
         "register_aux_gpu",
     ]))
     role = "decode"
@@ -282,6 +284,22 @@ def semantic_engine_errors(draw):
         msg, expected = template("engine_hello", req, room), {"version_mismatch"}
         msg["version"] = draw(st.integers(min_value=-(2**63), max_value=2**63 - 1).filter(lambda v: v != p.PROTOCOL_VERSION))
         role = draw(st.sampled_from(["prefill", "decode"]))
+    elif case.startswith("hello_"):  # each daemon serves the rank its engine said hello with: the first, rank 0 of 1
+        role = draw(st.sampled_from(["prefill", "decode"]))
+        msg, expected = template("engine_hello", req, room), {"unsupported"}
+        if case == "hello_role":
+            msg["role"] = "decode" if role == "prefill" else "prefill"
+        elif case == "hello_cp":
+            msg["sizes"] = {"cp": draw(st.integers(min_value=2, max_value=2**63 - 1))}
+        elif case == "hello_rank":  # not below its size
+            dim = draw(st.sampled_from(["dp", "pp", "tp", "cp"]))
+            msg["rank"], msg["sizes"], expected = {dim: draw(st.integers(min_value=1, max_value=2**63 - 1))}, {dim: 1}, {"bad_message"}
+        else:  # another rank than the one served (a size left 0 is 1)
+            msg["rank"], msg["sizes"] = {"tp": 1}, {"tp": draw(st.integers(min_value=2, max_value=64))}
+    elif case == "announce_to_decode":
+        msg, expected = template("announce", req, room), {"bad_message"}
+    elif case == "send_no_slot":  # the last chunk carries the aux slot
+        msg, expected, role = template("send", req, room) | {"generation": 0}, {"bad_message"}, "prefill"
     elif case == "free_slot":  # no slot is granted while fuzzing, so none may be given back
         msg, expected = template("free_slot", req, room), {"stale_slot"}
         msg["slot"] = draw(st.integers(min_value=0, max_value=2**63 - 1))
@@ -337,13 +355,19 @@ def semantic_engine_errors(draw):
             role = draw(st.sampled_from(["prefill", "decode"]))
             msg = template("register_kv", req, room)
             if case == "register_kv_version":  # the registered pool again, under a version not above its own
-                msg["memory"], msg["memory_version"], expected = SAME_POOL, 1, {"stale_memory_version"}
+                msg["buffers"], msg["memory_version"], expected = SAME_POOL, 1, {"stale_memory_version"}
             elif case == "register_kv_small":
-                msg["memory"]["size"], expected = draw(st.integers(min_value=1, max_value=8 * NUM_PAGES * 256 - 1)), {"insufficient_capacity"}
+                msg["buffers"][0]["size"], expected = draw(st.integers(min_value=1, max_value=8 * NUM_PAGES * 256 - 1)), {"insufficient_capacity"}
+            elif case == "register_kv_region":  # one region past its buffer, or naming a buffer not registered
+                at = draw(st.integers(min_value=0, max_value=len(msg["regions"]) - 1))
+                if draw(st.booleans()):
+                    msg["regions"][at]["offset"], expected = draw(st.integers(min_value=(1 << 20) - 1, max_value=2**63 - 1)), {"insufficient_capacity"}
+                else:
+                    msg["regions"][at]["buffer"], expected = draw(st.integers(min_value=1, max_value=2**63 - 1)), {"bad_message"}
             elif case == "register_kv_absent":
-                msg["memory"]["name"], expected = draw(absent_shm_names()), {"bad_message"}
+                msg["buffers"][0]["name"], expected = draw(absent_shm_names()), {"bad_message"}
             else:
-                msg["memory"] = {"kind": draw(st.sampled_from(["cuda_ipc", "npu_ipc"])), "handle": b"\0" * 64, "size": 1 << 20, "device": 0}
+                msg["buffers"] = [{"kind": draw(st.sampled_from(["cuda_ipc", "npu_ipc"])), "handle": b"\0" * 64, "size": 1 << 20, "device": 0}]
                 expected = {"unsupported"}
         else:
             role = draw(st.sampled_from(["prefill", "decode"]))
@@ -374,8 +398,8 @@ def absent_shm_names():
 def test_engine_requests_with_one_thing_wrong_get_that_error_and_change_nothing(pair, engine_socks, case):
     role, msg, req, expected = case
     live = pair[0] if role == "prefill" else pair[1]
-    if msg.get("memory") is SAME_POOL:
-        msg = msg | {"memory": msgspec.to_builtins(live.client.kv.memory.handle)}
+    if msg.get("buffers") is SAME_POOL:
+        msg = msg | {"buffers": [msgspec.to_builtins(live.client.kv.memory.handle)]}
     raw = msgspec.msgpack.encode(msg)
     if len(raw) > MAX_BYTES:
         expected, req = {"bad_message"}, 0  # refused for its size before it is read
@@ -438,7 +462,7 @@ def test_a_peer_frame_over_twice_the_limit_closes_its_connection_unread(pair):
 def test_a_shm_name_naming_a_directory_is_bad_input(pair, engine_socks, kind, name):
     _, decode = pair
     msg = template(kind, 77, 1)
-    msg["memory"]["name"] = name
+    (msg["buffers"][0] if kind == "register_kv" else msg["memory"])["name"] = name
     check_engine_error(decode, engine_socks["decode"], msgspec.msgpack.encode(msg), {"bad_message"}, req=77)
 
 
@@ -605,17 +629,18 @@ def test_peer_messages_before_hello_get_unknown_peer(pair, peer_sock, payload, i
 @st.composite
 def refused_hellos(draw):
     """A hello that must be refused: wrong version, or one compat field (or the hash) off."""
-    how = draw(st.sampled_from(["version", "hash", "layout", "page_size", "dtype", "num_layers", "region_page_bytes", "aux_slot_bytes"]))
+    how = draw(st.sampled_from(["version", "hash", *(f for f in p.Compat.__struct_fields__ if f != "version")]))
     if how == "version":
         return how, draw(st.integers(min_value=-(2**63), max_value=2**63 - 1).filter(lambda v: v != p.PROTOCOL_VERSION))
     if how == "hash":
         return how, draw(st.text(alphabet="0123456789abcdef", max_size=16))
-    if how == "layout":
-        return how, draw(st.sampled_from([x for x in p.Layout if x is not p.Layout.MHA]))
     if how == "dtype":
-        return how, draw(st.text(max_size=12).filter(lambda s: s != "bfloat16"))
-    if how == "region_page_bytes":
-        return how, tuple(draw(st.lists(st.integers(min_value=0, max_value=2**32), max_size=10).filter(lambda t: tuple(t) != (256,) * 8)))
+        return how, draw(st.text(max_size=12))
+    if how in ("page_order", "kv_packing", "mla"):
+        return how, draw(st.sampled_from(list({"page_order": p.PageOrder, "kv_packing": p.KVPacking}.get(how, (True, False)))))
+    if how == "regions":
+        region = st.tuples(st.integers(min_value=0, max_value=2**31), st.sampled_from(list(p.RegionKind)), st.integers(min_value=0, max_value=2**32))
+        return how, tuple(draw(st.lists(region, max_size=10)))
     return how, draw(st.integers(min_value=-(2**31), max_value=2**31))
 
 
@@ -744,8 +769,10 @@ def unsigned_frames(draw) -> list[bytes]:
 
 _HELLO = p.PeerHello(
     version=p.PROTOCOL_VERSION, incarnation="", session="127.0.0.1:1",
-    compat=p.Compat(version=p.PROTOCOL_VERSION, layout=p.Layout.MHA, page_size=4, dtype="bfloat16", num_layers=4,
-                    region_page_bytes=(256,) * 8, aux_slot_bytes=PAYLOAD + 32),
+    compat=p.Compat(version=p.PROTOCOL_VERSION, dtype="bfloat16", page_size=4, heads_total=1, bytes_per_token_head=64,
+                    page_order=p.PageOrder.TOKEN_MAJOR, kv_packing=p.KVPacking.SEPARATE, mla=False, num_layers_total=4,
+                    regions=tuple((layer, kind, 256) for layer in range(4) for kind in (p.RegionKind.K, p.RegionKind.V)),
+                    aux_slot_bytes=PAYLOAD + 32),
     compat_hash="", region_bases=(0,) * 8, num_pages=NUM_PAGES, aux_base=0, aux_slots=NUM_SLOTS, memory_version=1,
 )
 _HELLO = msgspec.structs.replace(_HELLO, compat_hash=p.compat_hash(_HELLO.compat))
@@ -780,7 +807,7 @@ def test_signed_but_malformed_or_premature_messages_to_a_signed_prefill_get_peer
 
 def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves_bytes(signed):
     live, _, secret, runtime = signed
-    assert _HELLO.compat == compat_of(live.client.kv.layout, live.client.aux.slot_bytes)
+    assert _HELLO.compat == compat_of(*layout_registration(live.client.kv.layout), live.client.aux.slot_bytes)
     sock = PeerSocket(live.daemon.bootstrap, secret=SECRET)
     try:
         seal = Seal("c" * 16, SECRET)

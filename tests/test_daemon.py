@@ -16,7 +16,8 @@ import zmq
 from pdxfer import client as client_module
 from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.core import config, errors
-from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, RegisterKV, Role, RoomAck, RoomState, RoomStatus
+from pdxfer.core.plan import layout_registration
+from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, Role, RoomAck, RoomState, RoomStatus
 from pdxfer.daemon.server import Daemon, PrefillDaemonPort
 from pdxfer.host import memory
 from pdxfer.roles.prefill import PrefillService
@@ -75,7 +76,7 @@ def test_gpu_pool_on_a_cpu_daemon_is_refused_with_what_it_needs(pair):
     try:
         handle = CudaIpcHandle(handle=b"\0" * 64, size=1 << 20, device=0)
         with pytest.raises(errors.Unsupported, match="--device cuda:N"):
-            client._call(RegisterKV(req=99, memory=handle, layout=small_layout(), memory_version=1))
+            client.register_kv([handle], *layout_registration(small_layout()))
     finally:
         client.close()
 
@@ -142,14 +143,14 @@ def test_a_client_keeps_rooms_its_daemon_releases_only_until_their_status_is_cla
     monkeypatch.setattr(client_module, "MAX_SELF_RELEASED", 2)
     requests, codec = _Requests("unused"), Codec()
     for room in (1, 2, 3):
-        requests._posting(requests._send(room, [room], 4, (room, 1), 0, 1, False, True))
+        requests._posting(requests._send(room, [room], 4, (room, 1), 0, 1, False, True, 0, True))
         assert requests._incoming(codec.encode(RoomStatus(req=0, room=room, state=RoomState.SUCCESS, fenced=True))) is None
     assert list(requests._self_released) == [2, 3] and set(requests._status) == {2, 3}  # room 1 forgotten unclaimed
     unsettled = RoomStatus(req=0, room=2, state=RoomState.TRANSFERRING)
     assert requests._claimed(2, unsettled) is unsettled and 2 in requests._status  # only a settled status is the last word
     requests._claimed(3, requests._status[3])
     assert set(requests._status) == {2} and list(requests._self_released) == [2]
-    requests._posting(requests._send(4, [4], 4, (4, 1), 0, 1, False, False))  # the engine releases this one
+    requests._posting(requests._send(4, [4], 4, (4, 1), 0, 1, False, False, 0, True))  # the engine releases this one
     requests._incoming(codec.encode(RoomStatus(req=0, room=4, state=RoomState.SUCCESS, fenced=True)))
     requests._claimed(4, requests._status[4])
     assert 4 in requests._status  # kept for its release()
@@ -177,14 +178,14 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
     service = PrefillService(cfg, "i" * 16, port, sessions=(), bootstrap_address="")
     pool = KVPool.create(small_layout())
     try:
-        request = _Requests("unused")._register_kv(pool)
+        request = _Requests("unused")._pool_registration(pool)
         reply = await service.on_engine(b"engine", Codec().encode(request))
         assert isinstance(reply, Ok), reply
         assert registered == [pool.memory.size]
         assert mapped_on and threading.get_ident() not in mapped_on
     finally:
-        if service.kv is not None:
-            service.kv.memory.close()
+        for mapping in service.mappings():
+            mapping.close()
         pool.close()
 
 
@@ -299,7 +300,7 @@ async def test_requests_that_do_not_wait_raise_their_refusal_in_wait(daemons):
             await waiting
         # A full queue cannot be made here on demand: hand the request to the
         # socket's drop callback, as the socket does when its queue is full.
-        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False)
+        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False, 0)
         client._posting(lost)
         client._dropped(None, [client.codec.encode(lost)])
         with pytest.raises(errors.Busy, match="queue to the daemon") as exc:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pdxfer.core import paths
-from pdxfer.core.plan import pages_to_bytes, pool_bytes, region_views
+from pdxfer.core.plan import layout_registration, pages_to_bytes, pool_bytes, region_views
 from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
 from pdxfer.core.stamp import stamp_for
 from pdxfer.host.memory import SharedMemory
@@ -60,8 +60,9 @@ def test_gather_then_scatter_puts_every_byte_back_in_its_page(layout):
     kv_layout = small_layout(layout)
     src_mem, dst_mem = SharedMemory.create(pool_bytes(kv_layout)), SharedMemory.create(pool_bytes(kv_layout))
     try:
-        src = MappedKV(src_mem, kv_layout, 1, "shm", src_mem.handle)
-        dst = MappedKV(dst_mem, kv_layout, 1, "shm", dst_mem.handle)
+        spec, regions = layout_registration(kv_layout)
+        src = MappedKV({src_mem.handle: src_mem}, (src_mem.handle,), spec, regions, 1, "shm")
+        dst = MappedKV({dst_mem.handle: dst_mem}, (dst_mem.handle,), spec, regions, 1, "shm")
         src_mem.array[:] = np.random.default_rng(3).integers(0, 256, src_mem.size, dtype=np.uint8)
         src_pages, dst_pages = np.array([7, 2, 200]), np.array([5, 90, 6])
         data = src.gather(src_pages)

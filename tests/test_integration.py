@@ -185,7 +185,8 @@ def test_send_before_expect_and_expect_before_send(engines):
 def test_requests_that_do_not_wait_get_no_ok_and_their_refusal_at_wait(engines):
     """send()/expect() with wait=False: the daemon answers a good request with
     nothing, a bad one with its error pushed for the room, which wait() and poll()
-    raise. (A poll right after the request is answered after the refusal arrived.)"""
+    raise. poll() answers without asking the daemon: bootstrapping, the room's status
+    until anything came, then the refusal."""
     prefill = engines(engines.prefill_daemon, small_layout())
     decode = engines(engines.decode_daemon, small_layout())
     boot = engines.prefill_daemon.bootstrap
@@ -197,13 +198,23 @@ def test_requests_that_do_not_wait_get_no_ok_and_their_refusal_at_wait(engines):
     decode.free_slot(slot)  # never bound: the room was refused
     bad_slot = prefill.alloc_slot()
     prefill.send(30, np.array([-1]), 4, bad_slot, wait=False)
-    with pytest.raises(errors.PageOutOfRange, match="page index -1"):
-        prefill.poll(30)
+
+    def refused() -> bool:
+        try:
+            assert prefill.poll(30).state is RoomState.BOOTSTRAPPING
+        except errors.PageOutOfRange as exc:
+            assert "page index -1" in str(exc) and exc.room == 30
+            return True
+        return False
+
+    wait_until(refused, 10, "the refusal of room 30's send()")
     prefill.free_slot(bad_slot)
     # A good room with neither side waiting moves as usual.
     dslot = decode.alloc_slot()
     decode.expect(31, boot, np.array([3, 4]), dslot, wait=False)
-    assert decode._sock.poll(300) == 0  # no ok came (and the room cannot move yet)
+    while decode._sock.poll(300):  # no ok comes: what does is pushed (the room's waiting_for_input)
+        assert decode._take(decode._sock.recv_multipart()) == []
+    wait_until(lambda: decode.poll(31).state is RoomState.WAITING_FOR_INPUT, 10, "room 31 waiting for the prefill engine's send()")
     expected, aux = _fill_room(prefill, 31, np.array([7, 8]), 8, seed=9, wait=False)
     assert decode.wait(31).state is RoomState.SUCCESS and prefill.wait(31).state is RoomState.SUCCESS
     assert np.array_equal(decode.kv.arrays()[0][[3, 4]], expected[0])

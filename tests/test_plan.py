@@ -12,21 +12,38 @@ from hypothesis import strategies as st
 from pdxfer.core import errors
 from pdxfer.core.plan import (
     Region,
+    canonical,
     check_capacity,
     check_memory_version,
     check_pages,
+    check_positions,
+    check_registration,
     check_source,
+    chunk_pages,
     coalesce,
     compat_of,
     layout_regions,
+    layout_registration,
     pages_for_tokens,
     pages_from_bytes,
     pages_to_bytes,
     plan_blocks,
     pool_bytes,
+    region_addresses,
     region_bases,
 )
-from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, KVLayout, Layout
+from pdxfer.core.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Heads,
+    KVLayout,
+    KVPacking,
+    KVRegion,
+    KVSpec,
+    Layout,
+    PageOrder,
+    RegionKind,
+)
 
 
 def kv(layout: Layout, num_layers: int, num_pages: int, page_size: int, token_bytes: int) -> KVLayout:
@@ -77,12 +94,206 @@ def test_region_bases():
     assert region_bases(0x1000, layout_regions(MHA)) == (0x1000, 0x1200, 0x1400, 0x1600)
 
 
-def test_compat_of_carries_region_page_bytes():
-    compat = compat_of(PAGE_FIRST_KV, aux_slot_bytes=4096)
+K, V, KV, LATENT = RegionKind.K, RegionKind.V, RegionKind.KV, RegionKind.LATENT
+
+
+@pytest.mark.parametrize(
+    ("layout", "regions"),
+    [
+        # (offset, page_bytes, layer, kind): per-layer K and V, as layout_regions lays them.
+        (MHA, [(0, 128, 0, K), (512, 128, 0, V), (1024, 128, 1, K), (1536, 128, 1, V)]),
+        (MLA, [(0, 2304, 0, LATENT), (23040, 2304, 1, LATENT), (46080, 2304, 2, LATENT)]),
+        # A region over every layer is named by layer 0.
+        (PAGE_FIRST, [(0, 512, 0, KV)]),
+        (PAGE_FIRST_KV, [(0, 256, 0, K), (2048, 256, 0, V)]),
+    ],
+    ids=lambda v: v.layout.value if isinstance(v, KVLayout) else None,
+)
+def test_a_pool_pdxfer_makes_is_one_buffer_and_its_regions(layout, regions):
+    spec, got = layout_registration(layout)
+    assert got == tuple(KVRegion(buffer=0, offset=o, page_bytes=b, num_pages=layout.num_pages, layer=l, kind=k) for o, b, l, k in regions)
+    assert spec == KVSpec(
+        page_size=layout.page_size, dtype="bf16", num_layers_total=layout.num_layers, layers=(0, layout.num_layers),
+        heads=Heads(local=1, total=1, bytes_per_token_head=layout.token_bytes), mla=layout.layout is Layout.MLA,
+    )
+    check_registration([pool_bytes(layout)], spec, got)
+
+
+def test_compat_of_names_the_spec_and_every_region_in_canonical_order():
+    spec, regions = layout_registration(PAGE_FIRST_KV)
+    compat = compat_of(spec, regions, aux_slot_bytes=4096)
     assert compat.version == PROTOCOL_VERSION
-    assert compat.layout is Layout.PAGE_FIRST_KV
-    assert compat.region_page_bytes == (256, 256)
-    assert (compat.page_size, compat.num_layers, compat.dtype, compat.aux_slot_bytes) == (16, 2, "bf16", 4096)
+    assert compat.regions == ((0, K, 256), (0, V, 256))
+    assert (compat.page_size, compat.num_layers_total, compat.dtype, compat.aux_slot_bytes) == (16, 2, "bf16", 4096)
+    assert (compat.heads_total, compat.bytes_per_token_head, compat.mla) == (1, 8, False)
+    assert (compat.page_order, compat.kv_packing) == (PageOrder.TOKEN_MAJOR, KVPacking.SEPARATE)
+
+
+# --- engine-owned memory: real engines' shapes
+
+# SGLang (MHATokenToKVPool, NHD): per layer a K tensor [tokens, heads, head_dim] and a V
+# tensor, each its own buffer; KVArgs lists every K first, then every V. Here: 2 layers,
+# 2 local heads of 8 total, head_dim 64 fp16 (128 bytes), page of 16 tokens: 4096 bytes.
+SGL_SPEC = KVSpec(page_size=16, dtype="float16", num_layers_total=2, layers=(0, 2), heads=Heads(local=2, total=8, bytes_per_token_head=128))
+SGL_PAGE = 16 * 2 * 128
+
+
+def sglang_regions(order: str, num_pages: int = 10) -> tuple[KVRegion, ...]:
+    """Buffers 0,1 are K0,K1 and 2,3 are V0,V1 ("k_first"), or K0,V0,K1,V1 ("interleaved")."""
+    keys = [(0, K), (1, K), (0, V), (1, V)] if order == "k_first" else [(0, K), (0, V), (1, K), (1, V)]
+    return tuple(KVRegion(buffer=i, offset=0, page_bytes=SGL_PAGE, num_pages=num_pages, layer=l, kind=k) for i, (l, k) in enumerate(keys))
+
+
+# vLLM CPU (LBHNC): one storage [layers, blocks, kv_heads, block_size, 2 * head_dim]: K
+# and V packed per token, head-major inside a block. 3 layers, 4 heads, block of 16,
+# head_dim 32 float32 (128 bytes): a block of one layer is 4 x 16 x 2 x 128 = 16384 bytes.
+VLLM_SPEC = KVSpec(
+    page_size=16, dtype="float32", num_layers_total=3, layers=(0, 3), heads=Heads(local=4, total=4, bytes_per_token_head=128),
+    page_order=PageOrder.HEAD_MAJOR, kv_packing=KVPacking.PACKED_PER_TOKEN,
+)
+VLLM_PAGE = 4 * 16 * 2 * 128
+
+
+def vllm_regions(num_pages: int = 6) -> tuple[KVRegion, ...]:
+    return tuple(KVRegion(buffer=0, offset=l * num_pages * VLLM_PAGE, page_bytes=VLLM_PAGE, num_pages=num_pages, layer=l, kind=KV) for l in range(3))
+
+
+def test_regions_pair_up_by_layer_and_kind_whatever_order_the_engine_lists_them():
+    k_first, interleaved = sglang_regions("k_first"), sglang_regions("interleaved")
+    assert [(r.layer, r.kind) for r in canonical(k_first)] == [(0, K), (0, V), (1, K), (1, V)]
+    assert [(r.layer, r.kind) for r in canonical(interleaved)] == [(0, K), (0, V), (1, K), (1, V)]
+    assert compat_of(SGL_SPEC, k_first, 96) == compat_of(SGL_SPEC, interleaved, 96)
+    # The buffers keep their own order: K-first buffer 2 is V0, interleaved buffer 2 is K1.
+    assert [r.buffer for r in canonical(k_first)] == [0, 2, 1, 3]
+    assert [r.buffer for r in canonical(interleaved)] == [0, 1, 2, 3]
+
+
+def test_region_addresses_come_from_each_buffers_mapped_base():
+    # SGLang: four buffers mapped wherever the daemon put them; canonical order K0 V0 K1 V1.
+    sgl = canonical(sglang_regions("k_first"))
+    assert region_addresses([0x10000, 0x20000, 0x30000, 0x40000], sgl) == (0x10000, 0x30000, 0x20000, 0x40000)
+    # vLLM: one buffer, a layer every 6 x 16384 bytes.
+    assert region_addresses([0x7000_0000], vllm_regions()) == (0x7000_0000, 0x7000_0000 + 98304, 0x7000_0000 + 196608)
+
+
+def test_blocks_between_sglang_buffers_use_each_buffers_own_base():
+    src = canonical(sglang_regions("k_first"))
+    dst = canonical(sglang_regions("interleaved"))
+    src_bases = region_addresses([0x10000, 0x80000, 0x40000, 0xC0000], src)  # K0 K1 V0 V1
+    dst_bases = region_addresses([0x100000, 0x200000, 0x300000, 0x400000], dst)  # K0 V0 K1 V1
+    blocks = plan_blocks(src, src_bases, dst_bases, pages(2, 3), pages(7, 8))
+    assert triples(blocks) == [
+        (0x10000 + 2 * 4096, 0x100000 + 7 * 4096, 8192),  # K0
+        (0x40000 + 2 * 4096, 0x200000 + 7 * 4096, 8192),  # V0
+        (0x80000 + 2 * 4096, 0x300000 + 7 * 4096, 8192),  # K1
+        (0xC0000 + 2 * 4096, 0x400000 + 7 * 4096, 8192),  # V1
+    ]
+
+
+def test_blocks_between_vllm_layers_at_offsets_of_one_buffer():
+    regions = vllm_regions()
+    blocks = plan_blocks(regions, region_addresses([0x1000000], regions), region_addresses([0x9000000], regions), pages(5), pages(0))
+    assert triples(blocks) == [(0x1000000 + l * 98304 + 5 * 16384, 0x9000000 + l * 98304, 16384) for l in range(3)]
+
+
+def test_both_engines_shapes_are_valid_registrations():
+    check_registration([10 * SGL_PAGE] * 4, SGL_SPEC, sglang_regions("k_first"))
+    check_registration([3 * 6 * VLLM_PAGE], VLLM_SPEC, vllm_regions())
+
+
+def region(**overrides) -> KVRegion:
+    fields = dict(buffer=0, offset=0, page_bytes=100, num_pages=10, layer=0, kind=K)
+    fields.update(overrides)
+    return KVRegion(**fields)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "layers", "regions", "error", "match"),
+    [
+        ([1000], (0, 1), [region(buffer=1)], errors.BadMessage, "names buffer 1, but 1 buffers"),
+        ([999], (0, 1), [region()], errors.InsufficientCapacity, "ends at byte 1000 of buffer 0, which has 999"),
+        ([2000], (0, 1), [region(), region(offset=1000, num_pages=9, kind=V)], errors.BadMessage, "same number of pages"),
+        ([2000], (0, 1), [region(), region(offset=1000)], errors.BadMessage, "layer 0 k is registered twice"),
+        ([2000], (0, 1), [region(), region(offset=999, kind=V)], errors.BadMessage, "overlap"),
+        ([2000], (2, 4), [region(layer=1)], errors.BadMessage, "outside this rank's layers"),
+        ([2000], (0, 5), [region()], errors.BadMessage, "not a range within the model's 4 layers"),
+        ([2000], (1, 1), [region(layer=1)], errors.BadMessage, "not a range"),
+    ],
+)
+def test_check_registration_refuses_what_the_daemon_could_not_use(sizes, layers, regions, error, match):
+    spec = KVSpec(page_size=4, dtype="bf16", num_layers_total=4, layers=layers, heads=Heads(local=1, total=1, bytes_per_token_head=25))
+    with pytest.raises(error, match=match):
+        check_registration(sizes, spec, regions)
+
+
+def test_check_registration_takes_regions_of_one_buffer_back_to_back_and_in_two_buffers_at_one_offset():
+    spec = KVSpec(page_size=4, dtype="bf16", num_layers_total=1, layers=(0, 1), heads=Heads(local=1, total=1, bytes_per_token_head=25))
+    check_registration([2000], spec, [region(), region(offset=1000, kind=V)])
+    check_registration([1000, 1000], spec, [region(), region(buffer=1, kind=V)])
+
+
+# --- positions: chunks and a prefix the decode holds
+
+
+@pytest.mark.parametrize(
+    ("first", "src", "skip", "kept", "dst"),
+    [
+        (0, [10, 11, 12], 0, [10, 11, 12], [50, 51, 52]),  # the whole room, no prefix
+        (0, [10, 11, 12, 13, 14], 2, [12, 13, 14], [50, 51, 52]),  # the engine sends the prefix too: dropped
+        (2, [12, 13, 14], 2, [12, 13, 14], [50, 51, 52]),  # it sends only what follows the prefix
+        (0, [10, 11], 2, [], []),  # a chunk all inside the prefix writes nothing
+        (1, [11, 12, 13], 2, [12, 13], [50, 51]),  # a chunk across the prefix's end
+        (3, [13, 14], 2, [13, 14], [51, 52]),  # a later chunk
+        (4, [14], 2, [14], [52]),  # the last position the decode wants
+    ],
+)
+def test_chunk_pages_maps_position_j_to_destination_j_minus_skip(first, src, skip, kept, dst):
+    got_kept, got_dst = chunk_pages(first, pages(*src), skip, pages(50, 51, 52), room=1)
+    assert got_kept.tolist() == kept and got_dst.tolist() == dst
+
+
+def test_chunk_pages_refuses_a_position_past_the_decodes_pages_naming_both():
+    with pytest.raises(errors.InsufficientCapacity, match=r"positions up to 6 but the decode expects 5 \(2 skipped \+ 3 pages\)") as caught:
+        chunk_pages(3, pages(13, 14, 15), 2, pages(50, 51, 52), room=9)
+    assert caught.value.room == 9
+
+
+@pytest.mark.parametrize(
+    ("first", "end", "skip", "dst", "drafts", "last", "error", "match"),
+    [
+        (0, 5, 2, 3, 0, True, None, None),  # all positions, the prefix dropped
+        (2, 5, 2, 3, 0, True, None, None),  # only those after the prefix
+        (0, 3, 2, 3, 0, False, None, None),  # not the last chunk yet: the end is not checked
+        (3, 5, 2, 3, 0, True, errors.BadMessage, r"starts at position 3, but the decode skips only 2: positions 2..2"),
+        (3, 4, 2, 3, 0, False, errors.BadMessage, "starts at position 3"),  # found at the first chunk
+        (0, 6, 2, 3, 0, True, errors.InsufficientCapacity, r"has 6 page positions but the decode expects 5 \(2 skipped \+ 3 pages\)"),
+        (0, 4, 2, 3, 0, True, errors.BadMessage, r"has 4 page positions but the decode expects 5"),
+        (0, 4, 2, 3, 8, True, None, None),  # room for draft tokens: the decode's pages may be more (C1 decides)
+        (0, 6, 2, 3, 8, True, errors.InsufficientCapacity, "has 6 page positions"),
+    ],
+)
+def test_check_positions(first, end, skip, dst, drafts, last, error, match):
+    if error is None:
+        check_positions(first, end, skip, dst, drafts, last, room=3)
+        return
+    with pytest.raises(error, match=match) as caught:
+        check_positions(first, end, skip, dst, drafts, last, room=3)
+    assert caught.value.room == 3
+
+
+def test_chunks_planned_one_by_one_write_what_the_whole_room_would():
+    """Four chunks of a room of 12 positions, the decode holding 3: the blocks of the
+    chunks together copy exactly the pages one send of the whole room copies."""
+    rng = np.random.default_rng(5)
+    src = pages(*rng.permutation(40)[:12].tolist())
+    dst = pages(*rng.permutation(40)[:9].tolist())
+    regions = canonical(sglang_regions("interleaved", num_pages=40))
+    bases = region_addresses([0, 1 << 30, 2 << 30, 3 << 30], regions)
+    whole = plan_blocks(regions, bases, bases, *chunk_pages(0, src, 3, dst))
+    parts = [plan_blocks(regions, bases, bases, *chunk_pages(at, src[at : at + 3], 3, dst)) for at in range(0, 12, 3)]
+    per_byte = lambda blocks: sorted((s + i, d + i) for s, d, n in triples(blocks) for i in range(0, n, SGL_PAGE))  # noqa: E731
+    assert per_byte(whole) == sorted(x for part in parts for x in per_byte(part))
+    assert len(per_byte(whole)) == 9 * 4  # 9 pages written in each of the 4 regions
 
 
 # --- coalesce

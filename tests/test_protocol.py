@@ -16,37 +16,57 @@ from pdxfer.core import errors, protocol as p
 
 SCHEMA_PATH = pathlib.Path(__file__).resolve().parent.parent / "proto" / "schema.json"
 
+K, V = p.RegionKind.K, p.RegionKind.V
 COMPAT = p.Compat(
     version=p.PROTOCOL_VERSION,
-    layout=p.Layout.MHA,
-    page_size=16,
     dtype="bf16",
-    num_layers=2,
-    region_page_bytes=(128, 128, 128, 128),
+    page_size=16,
+    heads_total=8,
+    bytes_per_token_head=256,
+    page_order=p.PageOrder.TOKEN_MAJOR,
+    kv_packing=p.KVPacking.SEPARATE,
+    mla=False,
+    num_layers_total=2,
+    regions=((0, K, 128), (0, V, 128), (1, K, 128), (1, V, 128)),
     aux_slot_bytes=4096,
 )
-LAYOUT = p.KVLayout(layout=p.Layout.PAGE_FIRST, num_layers=4, num_pages=100, page_size=16, token_bytes=256, dtype="fp8")
+SPEC = p.KVSpec(
+    page_size=16, dtype="fp8", num_layers_total=32, layers=(8, 16), heads=p.Heads(local=2, total=8, bytes_per_token_head=128),
+    page_order=p.PageOrder.HEAD_MAJOR, kv_packing=p.KVPacking.PACKED_PER_TOKEN, mla=True,
+)
+REGIONS = (
+    p.KVRegion(buffer=0, offset=0, page_bytes=8192, num_pages=100, layer=8, kind=p.RegionKind.KV),
+    p.KVRegion(buffer=1, offset=2**40, page_bytes=8192, num_pages=100, layer=9, kind=p.RegionKind.LATENT),
+)
 PAGES = (1).to_bytes(4, "little") + (2).to_bytes(4, "little")
 BIG = 2**64 - 1  # largest room id / address msgpack carries
 
 # One populated instance of every message, non-default values wherever possible so
 # that a field dropped or renamed on the wire is noticed.
 SAMPLES: dict[type, list[p.Message]] = {
-    p.EngineHello: [p.EngineHello(req=1, version=p.PROTOCOL_VERSION, engine="sglang 0.5")],
+    p.EngineHello: [
+        p.EngineHello(req=1, version=p.PROTOCOL_VERSION, engine_id="sglang-prefill", role=p.Role.PREFILL,
+                      rank=p.Rank(dp=1, pp=2, tp=3, cp=0), sizes=p.Rank(dp=2, pp=4, tp=8, cp=1), device="cuda:3"),
+        p.EngineHello(req=1, version=p.PROTOCOL_VERSION),
+    ],
     p.RegisterKV: [
-        p.RegisterKV(req=2, memory=p.ShmHandle(name="pdxfer-kv.0", size=1 << 20), layout=LAYOUT, memory_version=3),
-        p.RegisterKV(req=2, memory=p.CudaIpcHandle(handle=b"\x01" * 64, size=1 << 30, device=3), layout=LAYOUT, memory_version=1),
-        p.RegisterKV(req=2, memory=p.NpuIpcHandle(handle=b"\x02" * 65, size=4096, device=0), layout=LAYOUT, memory_version=1),
+        p.RegisterKV(req=2, buffers=(p.ShmHandle(name="pdxfer-kv.0", size=1 << 20), p.ShmHandle(name="v", size=3)),
+                     spec=SPEC, regions=REGIONS, memory_version=3),
+        p.RegisterKV(req=2, buffers=(p.CudaIpcHandle(handle=b"\x01" * 64, size=1 << 30, device=3),), spec=SPEC, regions=REGIONS, memory_version=1),
+        p.RegisterKV(req=2, buffers=(p.NpuIpcHandle(handle=b"\x02" * 65, size=4096, device=0),), spec=SPEC, regions=REGIONS, memory_version=1),
     ],
     p.RegisterAux: [p.RegisterAux(req=3, memory=p.ShmHandle(name="aux", size=65536), num_slots=8, slot_bytes=8192)],
     p.AllocSlot: [p.AllocSlot(req=4)],
     p.FreeSlot: [p.FreeSlot(req=5, slot=7, generation=9)],
+    p.Announce: [p.Announce(req=0, room=BIG)],
     p.Send: [
-        p.Send(req=6, room=BIG, pages=PAGES, num_tokens=20, slot=1, generation=2, aux_bytes=100, memory_version=4)
+        p.Send(req=6, room=BIG, pages=PAGES, num_tokens=20, slot=1, generation=2, aux_bytes=100, memory_version=4),
+        p.Send(req=6, room=BIG, pages=PAGES, memory_version=4, first_page=7, last=False, release_when_settled=True),
     ],
     p.Expect: [
         p.Expect(
-            req=7, room=11, bootstrap="tcp://10.0.0.1:8998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4
+            req=7, room=11, bootstrap="tcp://10.0.0.1:8998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4,
+            skip_pages=5,
         )
     ],
     p.Poll: [p.Poll(req=8, room=12)],
@@ -84,6 +104,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     p.RoomStatus: [
         p.RoomStatus(req=0, room=15, state=p.RoomState.FAILED, code=p.ErrorCode.TIMEOUT, reason="slow peer", fenced=True),
         p.RoomStatus(req=4, room=15, state=p.RoomState.TRANSFERRING),
+        p.RoomStatus(req=0, room=15, state=p.RoomState.WAITING_FOR_INPUT, pages=12, skip_pages=3),
     ],
     p.Error: [p.Error(req=5, code=p.ErrorCode.PAGE_OUT_OF_RANGE, message="page 9 of 0..7", room=16)],
     p.Busy: [p.Busy(req=6, reason="room table full", retry_after_ms=50)],
@@ -107,7 +128,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     ],
     p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1", clock=5123.25)],
     p.PeerRefused: [p.PeerRefused(code=p.ErrorCode.COMPAT_MISMATCH, reason="page_size: prefill=16 decode=32")],
-    p.RoomRequest: [p.RoomRequest(room=17, pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2, lease_ms=30000, writes_until=5163.5)],
+    p.RoomRequest: [p.RoomRequest(room=17, pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2, skip_pages=4, lease_ms=30000, writes_until=5163.5)],
     p.RoomAccepted: [p.RoomAccepted(room=18, input_ready=True)],
     p.TransferStarted: [p.TransferStarted(room=19)],
     p.AuxRecord: [
@@ -245,14 +266,19 @@ def test_compat_hash_is_stable():
     assert p.compat_diff(COMPAT, same) == []
 
 
+# Each compat field changed, and how a refusal names the change.
 CHANGED = {
-    "version": p.PROTOCOL_VERSION + 1,
-    "layout": p.Layout.MLA,
-    "page_size": 32,
-    "dtype": "fp8",
-    "num_layers": 3,
-    "region_page_bytes": (128, 128, 128, 64),
-    "aux_slot_bytes": 8192,
+    "version": (p.PROTOCOL_VERSION + 1, f"version: prefill={p.PROTOCOL_VERSION} decode={p.PROTOCOL_VERSION + 1}"),
+    "dtype": ("fp8", "dtype: prefill='bf16' decode='fp8'"),
+    "page_size": (32, "page_size: prefill=16 decode=32"),
+    "heads_total": (4, "heads_total: prefill=8 decode=4"),
+    "bytes_per_token_head": (128, "bytes_per_token_head: prefill=256 decode=128"),
+    "page_order": (p.PageOrder.HEAD_MAJOR, "page_order: prefill='token_major' decode='head_major'"),
+    "kv_packing": (p.KVPacking.PACKED_PER_TOKEN, "kv_packing: prefill='separate' decode='packed_per_token'"),
+    "mla": (True, "mla: prefill=False decode=True"),
+    "num_layers_total": (3, "num_layers_total: prefill=2 decode=3"),
+    "regions": (((0, K, 128), (0, V, 128), (1, K, 128), (1, V, 64)), "regions: prefill=[1:v:128] decode=[1:v:64]"),
+    "aux_slot_bytes": (8192, "aux_slot_bytes: prefill=4096 decode=8192"),
 }
 
 
@@ -262,10 +288,24 @@ def test_changed_covers_every_compat_field():
 
 @pytest.mark.parametrize("name", sorted(CHANGED))
 def test_compat_hash_and_diff_notice_each_field(name):
-    theirs = msgspec.structs.replace(COMPAT, **{name: CHANGED[name]})
+    value, named = CHANGED[name]
+    theirs = msgspec.structs.replace(COMPAT, **{name: value})
     assert p.compat_hash(theirs) != p.compat_hash(COMPAT)
-    (diff,) = p.compat_diff(COMPAT, theirs)
-    assert diff == f"{name}: prefill={getattr(COMPAT, name)!r} decode={CHANGED[name]!r}"
+    assert p.compat_diff(COMPAT, theirs) == [named]
+
+
+def test_compat_diff_names_every_differing_field_and_region():
+    """A refusal names each field that differs, and each region one side has that the
+    other has not (a layer missing, a kind of its own), the first 8 and a count."""
+    theirs = msgspec.structs.replace(
+        COMPAT, dtype="fp8", mla=True, regions=tuple((layer, p.RegionKind.LATENT, 64) for layer in range(10)),
+    )
+    assert p.compat_diff(COMPAT, theirs) == [
+        "dtype: prefill='bf16' decode='fp8'",
+        "mla: prefill=False decode=True",
+        "regions: prefill=[0:k:128, 0:v:128, 1:k:128, 1:v:128] decode=[0:latent:64, 1:latent:64, 2:latent:64, 3:latent:64, "
+        "4:latent:64, 5:latent:64, 6:latent:64, 7:latent:64 and 2 more]",
+    ]
 
 
 @pytest.mark.parametrize("code", list(p.ErrorCode))

@@ -1,10 +1,16 @@
-"""Transfer arithmetic: layouts, bounds, versions, capacity, and page indices ->
-coalesced (src, dst, len) blocks. Pure functions over numpy arrays; no per-page
-Python loops, so a million pages plan in milliseconds.
+"""Transfer arithmetic: registrations, bounds, versions, capacity, positions, and page
+indices -> coalesced (src, dst, len) blocks. Pure functions over numpy arrays; no
+per-page Python loops, so a million pages plan in milliseconds.
 
-A pool is one contiguous registration split into *regions*: the buffers of its
-layout, each an array of ``num_pages`` pages of ``page_bytes``. A run of pages that
-is contiguous on both sides becomes one block per region.
+An engine's KV cache is a list of *regions* in the buffers it registered, each an
+array of ``num_pages`` pages of ``page_bytes`` holding one (layer, kind). Both sides
+order their regions by (layer, kind) (``canonical``), so with equal compat region i
+of the prefill pairs with region i of the decode whatever order each engine listed
+them in. A run of pages that is contiguous on both sides becomes one block per region.
+A pool pdxfer creates (``KVLayout``) is one buffer whose regions ``layout_registration`` names.
+
+Page *positions* count a room's pages from 0; the decode may hold a prefix and skip
+it: source position j goes to destination page ``pages[j - skip]`` (``chunk_pages``).
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InsufficientCapacity, PageOutOfRange, StaleMemoryVersion
-from .protocol import PROTOCOL_VERSION, Compat, KVLayout, Layout
+from .errors import BadMessage, InsufficientCapacity, PageOutOfRange, StaleMemoryVersion
+from .protocol import PROTOCOL_VERSION, Compat, Heads, KVLayout, KVRegion, KVSpec, Layout, RegionKind
 
 PAGE_DTYPE = np.dtype("<i4")
 SMALL = 16  # page lists up to this long take plain-Python paths: numpy's per-call cost dominates there
@@ -47,14 +53,84 @@ def pool_bytes(layout: KVLayout) -> int:
     return len(regions) * layout.num_pages * regions[0].page_bytes
 
 
-def compat_of(layout: KVLayout, aux_slot_bytes: int) -> Compat:
+_LAYOUT_KINDS = {
+    Layout.MHA: (RegionKind.K, RegionKind.V),  # per layer
+    Layout.MLA: (RegionKind.LATENT,),  # per layer
+    Layout.PAGE_FIRST: (RegionKind.KV,),  # one region for every layer, named by layer 0
+    Layout.PAGE_FIRST_KV: (RegionKind.K, RegionKind.V),  # likewise
+}
+
+
+def layout_registration(layout: KVLayout) -> tuple[KVSpec, tuple[KVRegion, ...]]:
+    """A pool pdxfer created (one buffer, index 0) as the spec and regions it is registered with."""
+    per_layer = layout.layout in (Layout.MHA, Layout.MLA)
+    kinds = _LAYOUT_KINDS[layout.layout]
+    regions = tuple(
+        KVRegion(buffer=0, offset=r.offset, page_bytes=r.page_bytes, num_pages=layout.num_pages,
+                 layer=i // len(kinds) if per_layer else 0, kind=kinds[i % len(kinds)])
+        for i, r in enumerate(layout_regions(layout))
+    )
+    spec = KVSpec(
+        page_size=layout.page_size, dtype=layout.dtype, num_layers_total=layout.num_layers, layers=(0, layout.num_layers),
+        heads=Heads(local=1, total=1, bytes_per_token_head=layout.token_bytes), mla=layout.layout is Layout.MLA,
+    )
+    return spec, regions
+
+
+_KIND_ORDER = {kind: i for i, kind in enumerate(RegionKind)}
+
+
+def canonical(regions: Sequence[KVRegion]) -> tuple[KVRegion, ...]:
+    """Regions in the order both sides plan in: by layer, then kind (K, V, KV, latent, draft, state)."""
+    return tuple(sorted(regions, key=lambda r: (r.layer, _KIND_ORDER[r.kind])))
+
+
+def check_registration(buffer_sizes: Sequence[int], spec: KVSpec, regions: Sequence[KVRegion]) -> None:
+    """What a daemon needs of a registration before it maps anything: each region
+    inside its buffer, no two overlapping, one page count for all, each (layer, kind)
+    once and inside the rank's layers."""
+    start, end = spec.layers
+    if not start < end <= spec.num_layers_total:
+        raise BadMessage(f"layers [{start}, {end}) are not a range within the model's {spec.num_layers_total} layers")
+    if len({r.num_pages for r in regions}) > 1:
+        raise BadMessage(f"every region must have the same number of pages (a page index names a page of each): got {sorted({r.num_pages for r in regions})}")
+    seen: set[tuple[int, RegionKind]] = set()
+    for i, r in enumerate(regions):
+        if r.buffer >= len(buffer_sizes):
+            raise BadMessage(f"region {i} names buffer {r.buffer}, but {len(buffer_sizes)} buffers were registered")
+        if r.offset + r.num_pages * r.page_bytes > buffer_sizes[r.buffer]:
+            raise InsufficientCapacity(
+                f"region {i} (layer {r.layer} {r.kind.value}) ends at byte {r.offset + r.num_pages * r.page_bytes} "
+                f"of buffer {r.buffer}, which has {buffer_sizes[r.buffer]}"
+            )
+        if not start <= r.layer < end:
+            raise BadMessage(f"region {i} holds layer {r.layer}, outside this rank's layers [{start}, {end})")
+        if (r.layer, r.kind) in seen:
+            raise BadMessage(f"region {i}: layer {r.layer} {r.kind.value} is registered twice")
+        seen.add((r.layer, r.kind))
+    spans = sorted((r.buffer, r.offset, r.offset + r.num_pages * r.page_bytes) for r in regions)
+    for (buffer, _, ends), (other, begins, _) in zip(spans, spans[1:]):
+        if buffer == other and begins < ends:
+            raise BadMessage(f"two regions of buffer {buffer} overlap (one ends at byte {ends}, the next begins at {begins})")
+
+
+def region_addresses(buffer_bases: Sequence[int], regions: Sequence[KVRegion]) -> tuple[int, ...]:
+    """Where each region starts in this process: its buffer's mapped address plus its offset."""
+    return tuple(buffer_bases[r.buffer] + r.offset for r in regions)
+
+
+def compat_of(spec: KVSpec, regions: Sequence[KVRegion], aux_slot_bytes: int) -> Compat:
     return Compat(
         version=PROTOCOL_VERSION,
-        layout=layout.layout,
-        page_size=layout.page_size,
-        dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        region_page_bytes=tuple(r.page_bytes for r in layout_regions(layout)),
+        dtype=spec.dtype,
+        page_size=spec.page_size,
+        heads_total=spec.heads.total,
+        bytes_per_token_head=spec.heads.bytes_per_token_head,
+        page_order=spec.page_order,
+        kv_packing=spec.kv_packing,
+        mla=spec.mla,
+        num_layers_total=spec.num_layers_total,
+        regions=tuple((r.layer, r.kind, r.page_bytes) for r in canonical(regions)),
         aux_slot_bytes=aux_slot_bytes,
     )
 
@@ -102,11 +178,44 @@ def pages_for_tokens(tokens: int, page_size: int) -> int:
 
 
 def check_source(num_tokens: int, src_pages: int, page_size: int, room: int = 0) -> None:
-    """The prefill's pages must hold exactly its tokens."""
+    """The prefill's page positions (its last chunk's end) must hold exactly its tokens."""
     need = pages_for_tokens(num_tokens, page_size)
     if src_pages != need:
         raise InsufficientCapacity(
-            f"{num_tokens} tokens need {need} pages of {page_size} tokens, but send() named {src_pages}",
+            f"{num_tokens} tokens need {need} pages of {page_size} tokens, but send() named {src_pages} page positions",
+            room=room,
+        )
+
+
+def chunk_pages(first_page: int, src: np.ndarray, skip: int, dst: np.ndarray, room: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk of source pages for positions [first_page, first_page + len(src)) against
+    the decode's ``dst`` pages for positions [skip, skip + len(dst)): the source pages
+    kept (positions below ``skip`` are dropped) and the destination page of each."""
+    drop = min(max(skip - first_page, 0), src.size)
+    at = first_page + drop - skip
+    kept = src[drop:]
+    if at + kept.size > dst.size:
+        raise InsufficientCapacity(
+            f"the prefill sent positions up to {first_page + src.size} but the decode expects {skip + dst.size} "
+            f"({skip} skipped + {dst.size} pages)",
+            room=room,
+        )
+    return kept, dst[at : at + kept.size]
+
+
+def check_positions(first: int, end: int, skip: int, dst_pages: int, num_draft_tokens: int, last: bool, room: int = 0) -> None:
+    """The prefill's chunks cover positions [first, end), the last of them in when
+    ``last``; the decode wants [skip, skip + dst_pages). Every wanted position must
+    come, and, once the last chunk is in, no more, unless the decode made room for
+    draft tokens (its pages may then outnumber the positions)."""
+    want = skip + dst_pages
+    if first > skip:
+        raise BadMessage(f"the prefill's first chunk starts at position {first}, but the decode skips only {skip}: positions {skip}..{first - 1} would never be written", room=room)
+    if not last:
+        return
+    if end > want or (end < want and not num_draft_tokens):
+        raise (InsufficientCapacity if end > want else BadMessage)(
+            f"the prefill's room has {end} page positions but the decode expects {want} ({skip} skipped + {dst_pages} pages)",
             room=room,
         )
 

@@ -32,7 +32,8 @@ import msgspec
 # 1: first version (unreleased).
 # 2: messages to one destination in one loop turn leave as one batch (one envelope, up to 256 frames).
 # 3: leave to write: writes_until on room_request and heartbeat, clock on peer_welcome and heartbeat_ack.
-PROTOCOL_VERSION = 3
+# 4: engine identity (rank), engine-owned KV buffers and regions, announce, chunked send, prefix skip, every state change pushed.
+PROTOCOL_VERSION = 4
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
 RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]
@@ -61,6 +62,29 @@ class Layout(str, enum.Enum):
     MLA = "mla"  # per layer, one latent buffer
     PAGE_FIRST = "page_first"  # one buffer; a page holds every layer's K and V
     PAGE_FIRST_KV = "page_first_kv"  # a K buffer and a V buffer; a page holds every layer
+
+
+class RegionKind(str, enum.Enum):
+    """What one KV region holds; regions are matched between prefill and decode by (layer, kind)."""
+
+    K = "k"
+    V = "v"
+    KV = "kv"  # K and V together (packed per token, or a page of K then V)
+    LATENT = "latent"  # MLA
+    DRAFT = "draft"  # a draft model's KV
+    STATE = "state"
+
+
+class PageOrder(str, enum.Enum):
+    """How a page is laid out inside a region."""
+
+    TOKEN_MAJOR = "token_major"  # [token][head][...] (SGLang, NHD)
+    HEAD_MAJOR = "head_major"  # [head][token][...] (vLLM LBHNC)
+
+
+class KVPacking(str, enum.Enum):
+    SEPARATE = "separate"  # K and V in regions of their own
+    PACKED_PER_TOKEN = "packed_per_token"  # one KV region, K then V for each token (vLLM CPU)
 
 
 class RoomState(str, enum.Enum):
@@ -135,11 +159,60 @@ class NpuIpcHandle(Message, tag="npu_ipc"):
 
 
 MemoryHandle = Union[ShmHandle, CudaIpcHandle, NpuIpcHandle]
+MAX_REGIONS = 4096  # KV regions (and buffers) one registration may name
+
+
+class Rank(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine rank, or (as ``sizes``) the size of each parallel dimension, where a
+    size left 0 means 1: ``sizes=Rank(tp=2)`` is TP 2 alone."""
+
+    dp: Count = 0
+    pp: Count = 0
+    tp: Count = 0
+    cp: Count = 0
+
+
+ONE_RANK = Rank(dp=1, pp=1, tp=1, cp=1)  # the sizes of an engine that runs one rank
+
+
+class Heads(msgspec.Struct, frozen=True, kw_only=True):
+    """KV heads: held by this rank, in the model, and bytes of one token of one head."""
+
+    local: Positive
+    total: Positive
+    bytes_per_token_head: Positive
+
+
+class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the pages of an engine's KV cache mean: the layout descriptor of its regions."""
+
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20, description="tokens per page")]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    num_layers_total: Positive
+    layers: tuple[Count, Count]  # [start, end): the layers this rank holds
+    heads: Heads
+    page_order: PageOrder = PageOrder.TOKEN_MAJOR
+    kv_packing: KVPacking = KVPacking.SEPARATE
+    mla: bool = False
+
+
+class KVRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """``num_pages`` pages of ``page_bytes`` at ``offset`` in buffer ``buffer`` (an index
+    into the registration's buffers). Page p of the cache is page p of every region."""
+
+    buffer: Count
+    offset: Count
+    page_bytes: Positive
+    num_pages: Positive
+    layer: Count
+    kind: RegionKind
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """The shape of one KV pool. ``token_bytes`` is the size of one token of one layer
-    in one K (or V, or latent) buffer: kv heads x head dim x dtype size."""
+    """The shape of a KV pool pdxfer creates for an engine (client.create_kv_pool), which
+    registers it as one buffer and its regions (plan.layout_registration). ``token_bytes``
+    is the size of one token of one layer in one K (or V, or latent) buffer: kv heads x
+    head dim x dtype size."""
 
     layout: Layout
     num_layers: Positive
@@ -150,14 +223,20 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Compat(msgspec.Struct, frozen=True, kw_only=True):
-    """What two daemons must agree on to move KV between their pools."""
+    """What two daemons must agree on to move KV between their registrations.
+    ``regions`` is every region as (layer, kind, page_bytes), sorted by (layer, kind):
+    the order both sides plan in, so equal regions pair up by position."""
 
     version: int
-    layout: Layout
-    page_size: int
     dtype: str
-    num_layers: int
-    region_page_bytes: tuple[int, ...]
+    page_size: int
+    heads_total: int
+    bytes_per_token_head: int
+    page_order: PageOrder
+    kv_packing: KVPacking
+    mla: bool
+    num_layers_total: int
+    regions: tuple[tuple[int, RegionKind, int], ...]
     aux_slot_bytes: int
 
 
@@ -167,40 +246,69 @@ def compat_hash(compat: Compat) -> str:
 
 def compat_diff(prefill: Compat, decode: Compat) -> list[str]:
     """Each field that differs, as 'name: prefill=X decode=Y': the refusal is read in
-    both sides' logs, where 'ours' would mean the opposite."""
-    return [
-        f"{name}: prefill={getattr(prefill, name)!r} decode={getattr(decode, name)!r}"
-        for name in prefill.__struct_fields__
-        if getattr(prefill, name) != getattr(decode, name)
-    ]
+    both sides' logs, where 'ours' would mean the opposite. Regions are named one by
+    one (layer:kind:page_bytes), only those that differ."""
+    out = []
+    for name in prefill.__struct_fields__:
+        ours, theirs = getattr(prefill, name), getattr(decode, name)
+        if ours == theirs:
+            continue
+        if name == "regions":
+            out.append(f"regions: prefill={_regions_only(ours, theirs)} decode={_regions_only(theirs, ours)}")
+        else:
+            out.append(f"{name}: prefill={_plain(ours)!r} decode={_plain(theirs)!r}")
+    return out
+
+
+def _plain(value):
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _regions_only(these, those, most: int = 8) -> str:
+    """The regions in ``these`` that are not in ``those``, the first ``most`` of them."""
+    other = set(those)
+    only = [f"{layer}:{kind.value}:{page_bytes}" for layer, kind, page_bytes in these if (layer, kind, page_bytes) not in other]
+    more = f" and {len(only) - most} more" if len(only) > most else ""
+    return "[" + ", ".join(only[:most]) + more + "]"
 
 
 # --- engine -> daemon
 
 
 class EngineHello(Message, tag="engine_hello"):
+    """First message of an engine connection: who speaks (A1). A daemon serves one rank
+    (step 1 of issue 27): it refuses a role other than its own, CP > 1, and a second rank."""
+
     req: ReqId
     version: int
-    engine: Text = ""
+    engine_id: Text = ""  # the engine instance, stable across its restarts
+    role: Role | None = None
+    rank: Rank = Rank()
+    sizes: Rank = ONE_RANK
+    device: Text = ""  # "cpu", "cuda:0", ...
 
 
 class RegisterKV(Message, tag="register_kv"):
-    """Register (or replace, with a higher memory_version) the engine's KV pool."""
+    """Register (or replace, with a higher memory_version) the engine's KV cache: memory
+    it owns (``buffers``, each mapped once however many regions it holds) and what its
+    pages mean (``spec``, ``regions``)."""
 
     req: ReqId
-    memory: MemoryHandle
-    layout: KVLayout
+    buffers: Annotated[tuple[MemoryHandle, ...], msgspec.Meta(min_length=1, max_length=MAX_REGIONS)]
+    spec: KVSpec
+    regions: Annotated[tuple[KVRegion, ...], msgspec.Meta(min_length=1, max_length=MAX_REGIONS)]
     memory_version: Positive
 
 
 class RegisterAux(Message, tag="register_aux"):
     """Register the aux buffer: num_slots slots of slot_bytes each (a 32-byte stamp
-    header then the payload)."""
+    header then the payload; an engine that needs no aux record registers stamp-only
+    slots, of 32 bytes, and the stamp tells it the room landed)."""
 
     req: ReqId
     memory: MemoryHandle
     num_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
-    slot_bytes: Annotated[int, msgspec.Meta(ge=64, le=16 * 1024 * 1024)]
+    slot_bytes: Annotated[int, msgspec.Meta(ge=32, le=16 * 1024 * 1024)]
 
 
 class AllocSlot(Message, tag="alloc_slot"):
@@ -219,26 +327,40 @@ class FreeSlot(Message, tag="free_slot"):
     generation: Positive
 
 
+class Announce(Message, tag="announce"):
+    """Prefill: this engine will send ``room``. The daemon pushes its status when the
+    decode's request for it arrives (waiting_for_input, with the decode's pages and
+    skip_pages), at once if it already did."""
+
+    req: ReqId
+    room: RoomId
+
+
 class Send(Message, tag="send"):
-    """Prefill: the KV of ``room`` is ready in ``pages``; its aux is in ``slot``.
-    With ``release_when_settled`` the daemon releases the room itself once it has
-    pushed its settled status (Success, or Failed and fenced): the engine sends no
-    ``release`` for it."""
+    """Prefill: a chunk of ``room``'s KV: source pages for positions [first_page,
+    first_page + len(pages)), written as soon as the decode's request is in. The
+    ``last`` chunk carries the token count and the aux record (in ``slot``); a send
+    without first_page and last is the whole room in one chunk. With
+    ``release_when_settled`` the daemon releases the room itself once it has pushed its
+    settled status (Success, or Failed and fenced): the engine sends no ``release``."""
 
     req: ReqId
     room: RoomId
     pages: PageBytes
-    num_tokens: Positive
-    slot: Count
-    generation: Positive
-    aux_bytes: Count  # payload bytes of the aux record in the slot
     memory_version: Positive
+    first_page: Count = 0
+    last: bool = True
+    num_tokens: Count = 0  # the room's prompt tokens; on the last chunk
+    slot: Count = 0  # the aux slot, with its generation; on the last chunk
+    generation: Count = 0
+    aux_bytes: Count = 0  # payload bytes of the aux record in the slot
     release_when_settled: bool = False
 
 
 class Expect(Message, tag="expect"):
-    """Decode: receive ``room`` from the prefill daemon at ``bootstrap`` into
-    ``pages`` (room for the prompt plus ``num_draft_tokens``) and ``slot``."""
+    """Decode: receive ``room`` from the prefill daemon at ``bootstrap`` into ``pages``
+    (positions skip_pages.. of the room, with room for ``num_draft_tokens`` more) and
+    ``slot``. The first ``skip_pages`` positions (a prefix this side holds) are not sent."""
 
     req: ReqId
     room: RoomId
@@ -248,6 +370,7 @@ class Expect(Message, tag="expect"):
     generation: Positive
     memory_version: Positive
     num_draft_tokens: Count = 0
+    skip_pages: Count = 0
 
 
 class Poll(Message, tag="poll"):
@@ -274,7 +397,7 @@ class GetStats(Message, tag="get_stats"):
 
 
 EngineRequest = Union[
-    EngineHello, RegisterKV, RegisterAux, AllocSlot, FreeSlot, Send, Expect, Poll, Abort, Release, GetStats
+    EngineHello, RegisterKV, RegisterAux, AllocSlot, FreeSlot, Announce, Send, Expect, Poll, Abort, Release, GetStats
 ]
 
 
@@ -302,9 +425,12 @@ class SlotGrant(Message, tag="slot_grant"):
 
 
 class RoomStatus(Message, tag="room_status"):
-    """Reply to Poll, and pushed (req=0) when a room reaches Success or Failed, and
-    again when a failed room becomes fenced. The engine may reuse a failed room's
-    destination pages only once ``fenced`` is true: until then a write may land."""
+    """Reply to Poll, and pushed (req=0) to the engine connection that owns the room on
+    every change of its state, and again when a failed room becomes fenced. The engine
+    may reuse a failed room's destination pages only once ``fenced`` is true: until
+    then a write may land. On the prefill, once the decode's request is in, ``pages``
+    is the positions the decode wants (skip_pages + its pages) and ``skip_pages`` the
+    prefix it holds."""
 
     req: ReqId
     room: RoomId
@@ -312,6 +438,8 @@ class RoomStatus(Message, tag="room_status"):
     code: ErrorCode | None = None
     reason: str = ""
     fenced: bool = False
+    pages: Count = 0
+    skip_pages: Count = 0
 
 
 class Error(Message, tag="error"):
@@ -353,7 +481,7 @@ class PeerHello(Message, tag="peer_hello"):
     session: str  # transfer engine session id ("host:port"): its first engine's
     compat: Compat
     compat_hash: str
-    region_bases: tuple[Address, ...]  # one per layout region, in this daemon's address space
+    region_bases: tuple[Address, ...]  # one per region, in compat.regions order, in this daemon's address space
     num_pages: Positive
     aux_base: Address
     aux_slots: Positive
@@ -390,6 +518,7 @@ class RoomRequest(Message, tag="room_request"):
     generation: Positive
     memory_version: Positive
     num_draft_tokens: Count = 0
+    skip_pages: Count = 0  # positions the decode holds already: pages[i] receives position skip_pages + i
     lease_ms: Count = 0  # the prefill submits no write for this room later than this after it starts writing
     writes_until: float = 0.0  # leave to write, on the prefill's monotonic clock (see Heartbeat); 0: none given
 
@@ -416,7 +545,7 @@ class AuxRecord(Message, tag="aux_record"):
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
-    kv_pages: Count = 0  # how many pages were written in each region
+    kv_pages: Count = 0  # how many of the decode's pages (the first ones) were written in each region
     kv_digested: bool = False  # kv_digest is set (the decode side asked for --verify-kv)
     kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # CRC-32 of those pages, region by region
     kv: InlineKV = b""  # a small room's KV itself, region by region, page by page, instead of transfer-engine writes

@@ -90,6 +90,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         "bytes_received": float(service.bytes_received),
         "kv_inline_rooms": float(service.kv_inline_rooms),
         "kv_inline_bytes": float(service.kv_inline_bytes),
+        "engine_messages": float(service.engine_messages),
         "cpu_takebacks": float(daemon.cpu_takebacks),
         "transfer_engine_process_restarts": float(daemon.engine_process_restarts),
     }

@@ -132,6 +132,7 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_blocks_submitted", "Blocks handed to the transfer engine", value=pump.blocks_submitted)
         yield CounterMetricFamily("pdxfer_kv_inline_rooms", "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)", value=service.kv_inline_rooms)
         yield CounterMetricFamily("pdxfer_kv_inline_bytes", "KV bytes sent inside aux records (prefill side)", value=service.kv_inline_bytes)
+        yield CounterMetricFamily("pdxfer_engine_messages", "Messages received from engines (a poll() answered from pushed statuses sends none)", value=service.engine_messages)
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)

@@ -294,9 +294,8 @@ class Daemon:
             self._ctx.term()
             self._ctx = None
         if self.service is not None:
-            for pool in (self.service.kv, self.service.aux):
-                if pool is not None:
-                    pool.memory.close()
+            for mapping in self.service.mappings():
+                mapping.close()
             for _, mapping in self.service.retired:
                 mapping.close()
         if self._name_lock is not None:  # only now that our sockets are gone may a successor take the name
@@ -588,6 +587,8 @@ class DaemonPort:
             mapping.close()
 
         self._daemon._oneshot(release())
+
+    same_memory = staticmethod(memory.same_memory)
 
 
 class PrefillDaemonPort(DaemonPort):

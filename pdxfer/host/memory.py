@@ -128,6 +128,7 @@ class SharedMemory:
         self.size = size
         self.owner = owner
         self._mmap = mapping  # an mmap.mmap, or a _FixedMapping
+        self.identity = (0, 0)  # (device, inode) of the file it maps
         self.array = np.frombuffer(mapping.buffer() if isinstance(mapping, _FixedMapping) else mapping, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
 
@@ -145,9 +146,12 @@ class SharedMemory:
         try:
             os.ftruncate(fd, size)
             mapping = _map(fd, size)
+            identity = _identity(os.fstat(fd))
         finally:
             os.close(fd)
-        return cls(name, size, mapping, owner=True)
+        made = cls(name, size, mapping, owner=True)
+        made.identity = identity
+        return made
 
     @classmethod
     def open(cls, name: str, size: int) -> "SharedMemory":
@@ -159,13 +163,15 @@ class SharedMemory:
         except OSError as exc:
             raise BadMessage(f"cannot open shared memory {name!r}: {exc.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise BadMessage(f"shared memory {name!r} has {actual} bytes, but {size} were declared")
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise BadMessage(f"shared memory {name!r} has {st.st_size} bytes, but {size} were declared")
             mapping = _map(fd, size)
         finally:
             os.close(fd)
-        return cls(name, size, mapping, owner=False)
+        opened = cls(name, size, mapping, owner=False)
+        opened.identity = _identity(st)
+        return opened
 
     @property
     def handle(self) -> ShmHandle:
@@ -184,6 +190,23 @@ class SharedMemory:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def same_memory(handle: MemoryHandle, mapping) -> bool:
+    """Whether ``mapping``, made for ``handle``, still maps what the handle names now. An
+    engine that restarts may create its shared memory again under the same name: that
+    is new memory, which the old mapping does not see. A device handle names its
+    allocation (a new one gets a new handle)."""
+    if not isinstance(handle, ShmHandle):
+        return True
+    try:
+        return _identity(os.stat(os.path.join(SHM_DIR, handle.name))) == mapping.identity
+    except OSError:
+        return False
 
 
 def available_memory() -> int | None:

@@ -17,12 +17,13 @@ import msgspec
 from ..core import errors, paths
 from ..core.config import Config
 from ..core.errors import PdxferError
-from ..core.plan import check_memory_version
+from ..core.plan import check_memory_version, check_registration
 from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
     Abort,
     AllocSlot,
+    Announce,
     Busy,
     Codec,
     EngineHello,
@@ -34,6 +35,7 @@ from ..core.protocol import (
     Message,
     Ok,
     Poll,
+    Rank,
     RegisterAux,
     RegisterKV,
     Release,
@@ -54,6 +56,10 @@ from .pools import MappedAux, MappedKV
 from .ports import Mapping, Port
 
 log = logging.getLogger("pdxfer.service")
+
+
+def _rank_text(rank: Rank) -> str:
+    return " ".join(f"{dim}={getattr(rank, dim)}" for dim in Rank.__struct_fields__)
 
 
 def loose_req(raw: bytes) -> int:
@@ -92,6 +98,8 @@ class RoomService:
         self.bootstrap_address = bootstrap_address
         self.failures: collections.Counter[str] = collections.Counter()
         self.engines: set[bytes] = set()  # engine connections that said hello
+        self.engine_messages = 0  # engine messages received (clients answer poll() from pushed statuses: B6)
+        self.rank: tuple[Rank, Rank] | None = None  # (rank, sizes) of the engine rank this daemon serves (step 1: one)
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeats = config.heartbeats
         self.heartbeat_misses = 0
@@ -106,6 +114,7 @@ class RoomService:
         """Handle one engine message: the reply; for a registration (which maps and
         registers memory off the event loop) an awaitable of it; None when the
         engine asked for no reply."""
+        self.engine_messages += 1
         if len(raw) > self.config.max_message_bytes:
             return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
         try:
@@ -149,6 +158,9 @@ class RoomService:
         if isinstance(msg, (Send, Expect)):
             self.admit(msg.room)
             return self.on_send(identity, msg) if isinstance(msg, Send) else self.on_expect(identity, msg)
+        if isinstance(msg, Announce):
+            self.admit(msg.room)
+            return self.on_announce(identity, msg)
         if isinstance(msg, Release):
             room = self.rooms.get(msg.room)
             if not room.finished:
@@ -180,6 +192,7 @@ class RoomService:
         if isinstance(msg, EngineHello):
             if msg.version != PROTOCOL_VERSION:
                 raise errors.VersionMismatch(f"engine speaks protocol {msg.version}, this daemon speaks {PROTOCOL_VERSION}", side=errors.Side.ENGINE)
+            self._check_rank(msg)
             self.engines.add(identity)
             return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
@@ -191,6 +204,30 @@ class RoomService:
     def new_sessions(self, sessions: Peer) -> None:
         """The transport was re-created: peers reach this daemon's engines at ``sessions`` now."""
         self.sessions = sessions
+
+    def _check_rank(self, hello: EngineHello) -> None:
+        """A1, step 1: this daemon serves one rank of an engine of its own role, without CP."""
+        who = f"engine {hello.engine_id!r}" if hello.engine_id else "the engine"
+        if hello.role is not None and hello.role is not self.role:
+            raise errors.Unsupported(f"{who} is a {hello.role.value} engine but this daemon is a {self.role.value} daemon: connect it to a {hello.role.value} daemon")
+        if hello.sizes.cp > 1:
+            raise errors.Unsupported(f"{who} runs context parallelism (CP size {hello.sizes.cp}), which pdxfer does not support yet: run it with CP 1")
+        sizes = Rank(**{dim: getattr(hello.sizes, dim) or 1 for dim in Rank.__struct_fields__})  # a size left 0 is 1
+        for dim in Rank.__struct_fields__:
+            rank, size = getattr(hello.rank, dim), getattr(sizes, dim)
+            if not rank < size:
+                raise errors.BadMessage(f"{who}: rank {dim}={rank} is not below its size {dim}={size}")
+        if self.rank is None:
+            self.rank = (hello.rank, sizes)
+        elif self.rank != (hello.rank, sizes):
+            served, served_sizes = self.rank
+            raise errors.Unsupported(
+                f"{who} is rank {_rank_text(hello.rank)} of {_rank_text(sizes)}, but this daemon serves rank "
+                f"{_rank_text(served)} of {_rank_text(served_sizes)}: a daemon serves one engine rank for now, so start a daemon beside each rank"
+            )
+
+    def on_announce(self, identity: bytes, msg: Announce) -> Message:
+        raise errors.BadMessage(f"announce() goes to a prefill daemon; this one is {self.role.value}", room=msg.room)
 
     def admit(self, room: int) -> None:
         """New rooms are refused while the daemon drains for shutdown."""
@@ -206,32 +243,46 @@ class RoomService:
     # --- registrations
 
     async def _register_kv(self, msg: RegisterKV) -> Message:
-        kind = tag_of(msg.memory)
-        paths.check_pool(self.config.protocol, self.config.device, kind)
+        kinds = sorted({tag_of(handle) for handle in msg.buffers})
+        if len(kinds) > 1:
+            raise errors.Unsupported(f"the buffers of one KV registration must be of one kind, not {', '.join(kinds)}")
+        paths.check_pool(self.config.protocol, self.config.device, kinds[0])
+        check_registration([handle.size for handle in msg.buffers], msg.spec, msg.regions)
         old = self.kv
-        same = old is not None and old.handle == msg.memory
+        # A mapping is kept for a handle registered again only while it names the same memory.
+        kept = {h: m for h, m in old.mappings.items() if self.port.same_memory(h, m)} if old is not None else {}
+        same = old is not None and old.handles == msg.buffers and all(h in kept for h in msg.buffers)
         if same and msg.memory_version <= old.version:
             raise errors.StaleMemoryVersion(
-                f"re-registering the same pool needs a memory version above {old.version}, got {msg.memory_version}"
+                f"re-registering the same KV buffers needs a memory version above {old.version}, got {msg.memory_version}"
             )
-        need = MappedKV.required_bytes(msg.layout)
-        if msg.memory.size < need:
-            raise errors.InsufficientCapacity(f"the layout needs {need} bytes but the pool has {msg.memory.size}")
+        mappings = await self._map_all(msg.buffers, kept)
+        for handle, mapping in (old.mappings.items() if old is not None else ()):
+            if mappings.get(handle) is not mapping:
+                self._retire(mapping)  # never freed: a replaced buffer is unmapped once writes aimed at it are over
+        self.kv = MappedKV(mappings, msg.buffers, msg.spec, msg.regions, msg.memory_version, kinds[0])
         if same:
-            mapped = old.memory  # same memory, new version: the engine moved pages within it
-        else:
-            mapped = await self.port.map_memory(msg.memory)
-            if old is not None:
-                self._retire(old.memory)
-        self.kv = MappedKV(mapped, msg.layout, msg.memory_version, kind, msg.memory)
-        if same:
-            self._fail_stale_rooms(f"the engine re-registered its KV pool (memory version {old.version} -> {msg.memory_version})", old.version)
+            self._fail_stale_rooms(f"the engine re-registered its KV cache (memory version {old.version} -> {msg.memory_version})", old.version)
         elif old is not None:
-            self._fail_stale_rooms("the engine registered a new KV pool (a restarted engine?)")
-        log.info("registered KV pool: %s, %d layers, %d pages of %d tokens, memory version %d",
-                 msg.layout.layout.value, msg.layout.num_layers, msg.layout.num_pages, msg.layout.page_size, msg.memory_version)
+            self._fail_stale_rooms("the engine registered new KV memory (a restarted engine?)")
+        log.info("registered KV cache: %d buffers, %d regions of %d pages (%d tokens each), layers %d-%d of %d, memory version %d",
+                 len(mappings), len(msg.regions), self.kv.num_pages, msg.spec.page_size, *msg.spec.layers, msg.spec.num_layers_total, msg.memory_version)
         self.on_kv_registered()
         return Ok(req=msg.req)
+
+    async def _map_all(self, handles, kept: dict) -> dict:
+        """Each distinct handle mapped once: kept ones as they are, the others mapped and
+        registered now. If one fails, those mapped here are let go again."""
+        mappings: dict = {}
+        try:
+            for handle in dict.fromkeys(handles):
+                mappings[handle] = kept[handle] if handle in kept else await self.port.map_memory(handle)
+        except BaseException:
+            for handle, mapping in mappings.items():
+                if handle not in kept:
+                    self.port.release_mapping(mapping)
+            raise
+        return mappings
 
     async def _register_aux(self, msg: RegisterAux) -> Message:
         if not isinstance(msg.memory, ShmHandle):
@@ -267,6 +318,11 @@ class RoomService:
     def room_memory_version(self, room: Room) -> int:
         raise NotImplementedError
 
+    def mappings(self) -> list[Mapping]:
+        """Every engine buffer mapped now (KV and aux), each once."""
+        kv = list(self.kv.mappings.values()) if self.kv is not None else []
+        return kv + ([self.aux.memory] if self.aux is not None else [])
+
     def _kv(self) -> MappedKV:
         if self.kv is None:
             raise errors.NotRegistered("the engine has not registered its KV pool")
@@ -283,9 +339,21 @@ class RoomService:
     # --- rooms
 
     def status(self, room: Room, req: int = 0) -> RoomStatus:
+        pages, skip = self.room_pages(room)
         return RoomStatus(
-            req=req, room=room.id, state=room.state, code=room.code, reason=room.reason, fenced=room.fenced
+            req=req, room=room.id, state=room.state, code=room.code, reason=room.reason, fenced=room.fenced,
+            pages=pages, skip_pages=skip,
         )
+
+    def room_pages(self, room: Room) -> tuple[int, int]:
+        """(positions the decode wants, positions it skips) as the room's status tells them; (0, 0) where unknown."""
+        return 0, 0
+
+    def advance(self, room: Room, event: Event) -> None:
+        """Move a live room by ``event``; its engine hears of a change of state (B6).
+        Success and failure are pushed by succeed() and fail()."""
+        if self.rooms.apply(room, event, self.clock()):
+            self.push(room, self.engine_of(room))
 
     def push(self, room: Room, engine: bytes) -> None:
         if engine:

@@ -164,7 +164,7 @@ class DecodeService(RoomService):
             dst = pages_from_bytes(msg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room) from None
-        check_pages(dst, kv.layout.num_pages, "destination", msg.room)
+        check_pages(dst, kv.num_pages, "destination", msg.room)
         self.check_local_version(msg.memory_version, msg.room)
         room = self.rooms.create(msg.room, Role.DECODE, self.clock(), peer=endpoint)
         # What it can receive at most: its pages in every region and a full aux record.
@@ -179,7 +179,7 @@ class DecodeService(RoomService):
         link.rooms.add(room.id)
         request = RoomRequest(
             room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
-            num_draft_tokens=msg.num_draft_tokens, lease_ms=int(self.config.transfer_timeout * 1000),
+            num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages, lease_ms=int(self.config.transfer_timeout * 1000),
             writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
@@ -231,7 +231,7 @@ class DecodeService(RoomService):
             compat=ours,
             compat_hash=compat_hash(ours),
             region_bases=kv.bases,
-            num_pages=kv.layout.num_pages,
+            num_pages=kv.num_pages,
             aux_base=aux.memory.address,
             aux_slots=aux.num_slots,
             memory_version=kv.version,
@@ -309,7 +309,7 @@ class DecodeService(RoomService):
                 self._confirmed_released(link, msg.room)
             return
         if isinstance(msg, RoomAccepted):
-            self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
+            self.advance(room, Event.BOOTSTRAPPED)
             if msg.input_ready:
                 self._started(room)
         elif isinstance(msg, TransferStarted):
@@ -330,7 +330,7 @@ class DecodeService(RoomService):
             self._aux().slots.fence(*held, self.clock())
 
     def _started(self, room: Room) -> None:
-        self.rooms.apply(room, Event.INPUT_READY, self.clock())
+        self.advance(room, Event.INPUT_READY)
         self.work[room.id].started = self.clock()
 
     def _room_of(self, link: PrefillLink, room_id: int) -> Room | None:

@@ -1,5 +1,5 @@
-"""What the local engine registered: its KV pool and its aux buffer, mapped into the
-daemon, with the layout arithmetic and slot allocator that go with them."""
+"""What the local engine registered: its KV cache and its aux buffer, mapped into the
+daemon, with the region arithmetic and slot allocator that go with them."""
 
 from __future__ import annotations
 
@@ -9,71 +9,72 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import Unsupported
-from ..core.plan import Region, compat_of, layout_regions, pool_bytes, region_bases, region_views
-from ..core.protocol import Compat, KVLayout, MemoryHandle
+from ..core.plan import canonical, compat_of, region_addresses
+from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
 
 @dataclass(eq=False)
 class MappedKV:
-    """The engine's KV pool (client.KVPool on the engine's side) as this daemon mapped it."""
+    """The engine's KV cache as this daemon mapped it: its buffers (``mappings``, one
+    per distinct handle, each a memory.SharedMemory / CudaIpcMemory / NpuIpcMemory)
+    and its regions in canonical order (plan.canonical), the order blocks, digests and
+    inline KV follow on both sides."""
 
-    memory: object  # memory.SharedMemory / CudaIpcMemory / NpuIpcMemory
-    layout: KVLayout
+    mappings: dict  # handle -> mapping
+    handles: tuple[MemoryHandle, ...]  # as registered: regions name buffers by index into it
+    spec: KVSpec
+    regions: tuple[KVRegion, ...]
     version: int
-    kind: str
-    handle: MemoryHandle
+    kind: str  # the handles' kind: shm, cuda_ipc, npu_ipc
 
     def __post_init__(self) -> None:
-        self.regions: tuple[Region, ...] = layout_regions(self.layout)
-        self.bases = region_bases(self.memory.address, self.regions)
+        self.regions = canonical(self.regions)
+        self.buffers = [self.mappings[h] for h in self.handles]  # the mapping of each buffer index
+        self.bases = region_addresses([mapping.address for mapping in self.buffers], self.regions)
         self.page_bytes = sum(r.page_bytes for r in self.regions)  # one page index over every region
-
-    @property
-    def address(self) -> int:
-        return self.memory.address
+        self.num_pages = self.regions[0].num_pages
 
     def _require_host(self, what: str) -> None:
         if self.kind != "shm":
             raise Unsupported(f"{what} needs a host-memory pool (this one is {self.kind})")
 
     def _region_pages(self, what: str) -> list[np.ndarray]:
-        """Each region as a (pages, page_bytes) array, in layout order."""
+        """Each region as a (pages, page_bytes) array, in canonical order."""
         self._require_host(what)
-        return region_views(self.memory.array, self.regions, self.layout.num_pages)
+        return [
+            self.buffers[r.buffer].array[r.offset : r.offset + r.num_pages * r.page_bytes].reshape(r.num_pages, r.page_bytes)
+            for r in self.regions
+        ]
 
     def digest(self, pages: np.ndarray) -> int:
-        """CRC-32 of the given pages, region by region in layout order: of the
+        """CRC-32 of the given pages, region by region in canonical order: of the
         bytes gather() returns for them."""
         crc = 0
         for region in self._region_pages("a KV digest (--verify-kv)"):
             crc = zlib.crc32(np.take(region, pages, axis=0), crc)
         return crc
 
-    def _page_spans(self, pages: np.ndarray) -> list[tuple[int, int]]:
-        """(offset in the pool, bytes) of each page in each region, region by region in
-        layout order. Inline KV is at most 1 MiB, so the list stays short; slicing the
+    def _page_spans(self, pages: np.ndarray) -> list[tuple[memoryview, int, int]]:
+        """(buffer, offset in it, bytes) of each page in each region, region by region in
+        canonical order. Inline KV is at most 1 MiB, so the list stays short; slicing the
         mapping by it costs a room a third of what fancy indexing did (4 KiB pages)."""
         self._require_host("inline KV")
         indices = pages.tolist()
-        return [(r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
+        views = [memoryview(mapping.array) for mapping in self.buffers]
+        return [(views[r.buffer], r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
 
     def gather(self, pages: np.ndarray) -> bytes:
-        """The given pages' bytes, region by region in layout order (a room's inline KV)."""
-        pool = memoryview(self.memory.array)
-        return b"".join([pool[at : at + size] for at, size in self._page_spans(pages)])
+        """The given pages' bytes, region by region in canonical order (a room's inline KV)."""
+        return b"".join([buffer[at : at + size] for buffer, at, size in self._page_spans(pages)])
 
     def scatter(self, pages: np.ndarray, data: bytes) -> None:
         """Write what gather() made into the given pages."""
-        pool, source, taken = memoryview(self.memory.array), memoryview(data), 0
-        for at, size in self._page_spans(pages):
-            pool[at : at + size] = source[taken : taken + size]
+        source, taken = memoryview(data), 0
+        for buffer, at, size in self._page_spans(pages):
+            buffer[at : at + size] = source[taken : taken + size]
             taken += size
-
-    @staticmethod
-    def required_bytes(layout: KVLayout) -> int:
-        return pool_bytes(layout)
 
 
 @dataclass(eq=False)
@@ -121,4 +122,4 @@ class MappedAux:
 
 
 def compat(kv: MappedKV, aux: MappedAux) -> Compat:
-    return compat_of(kv.layout, aux.slot_bytes)
+    return compat_of(kv.spec, kv.regions, aux.slot_bytes)

@@ -44,6 +44,10 @@ class Port(Protocol):
         """Unregister a replaced buffer from the transport and unmap it (no write of
         it can land any more)."""
 
+    def same_memory(self, handle: MemoryHandle, mapping: Mapping) -> bool:
+        """Whether ``mapping``, made for ``handle``, still maps the memory ``handle`` names
+        (an engine that restarted may make its shared memory again under the same name)."""
+
     def observe(self, room: Room, left: RoomState | None, now: float) -> None:
         """The room table moved ``room`` out of ``left`` (None: created) at ``now``:
         metrics and logs. Runs on every transition, so it is cheap."""

@@ -40,13 +40,16 @@ from ..core.plan import (
     check_capacity,
     check_memory_version,
     check_pages,
+    check_positions,
     check_source,
+    chunk_pages,
     pages_from_bytes,
     plan_blocks,
 )
 from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
+    Announce,
     AuxRecord,
     ErrorCode,
     Heartbeat,
@@ -105,17 +108,31 @@ class DecodePeer:
 
 @dataclass(eq=False)
 class PrefillWork:
-    engine: bytes = b""
-    src_pages: np.ndarray | None = None
+    engine: bytes = b""  # the engine connection that announced or sent the room
+    chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, source pages) not written yet
+    first: int = -1  # the first chunk's first position (-1: no chunk yet)
+    end: int = 0  # where the chunks handed over so far end
+    last: bool = False  # the last chunk is in
     num_tokens: int = 0
     aux_bytes: int = 0
     memory_version: int = 0
     peer: bytes = b""  # identity of the decode daemon, once its request arrived
     request: RoomRequest | None = None
     dst_pages: np.ndarray | None = None
-    job: Job | None = None
+    started: bool = False  # both halves were in and checked: chunks are written as they come
+    kept: list[np.ndarray] = field(default_factory=list)  # source pages written (positions the decode skips dropped), in order
+    written: int = 0  # destination pages written: the first ``written`` of dst_pages
+    # KV writes, one job per chunk, until reported back; one the pump abandoned stays (its
+    # writes may still land) until the transfer engines are closed (transport_closed).
+    jobs: set[Job] = field(default_factory=set)
+    job: Job | None = None  # the aux record's write, likewise
+    aux_sent: bool = False
     lease_end: float = 0.0
     digest: int | None = None
+
+    def source_pages(self) -> np.ndarray:
+        """Every source page written, in the order of the destination pages they went to."""
+        return np.concatenate(self.kept) if self.kept else np.zeros(0, np.int32)
 
 
 class PrefillService(RoomService):
@@ -140,37 +157,65 @@ class PrefillService(RoomService):
             src = pages_from_bytes(msg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room) from None
-        check_pages(src, kv.layout.num_pages, "source", msg.room)
+        check_pages(src, kv.num_pages, "source", msg.room)
         self.check_local_version(msg.memory_version, msg.room)
-        check_source(msg.num_tokens, src.size, kv.layout.page_size, msg.room)
-        if msg.aux_bytes > aux.payload_bytes:
-            raise errors.InsufficientCapacity(f"aux record of {msg.aux_bytes} bytes exceeds the slot payload of {aux.payload_bytes}", room=msg.room)
-        room = self.rooms.find(msg.room)
-        if room is not None and room.has_input:
-            raise errors.DuplicateRoom(f"send() for room {msg.room} was already made", room=msg.room)
+        if msg.last:
+            check_source(msg.num_tokens, msg.first_page + src.size, kv.spec.page_size, msg.room)
+            if msg.generation < 1:
+                raise errors.BadMessage(f"the last chunk of room {msg.room} carries its aux slot: send() it with slot=", room=msg.room)
+            if msg.aux_bytes > aux.payload_bytes:
+                raise errors.InsufficientCapacity(f"aux record of {msg.aux_bytes} bytes exceeds the slot payload of {aux.payload_bytes}", room=msg.room)
+        room, w = self.rooms.find(msg.room), self.work.get(msg.room)
+        if room is not None and w is not None and w.last:
+            raise errors.DuplicateRoom(f"send() for room {msg.room} came after its last chunk", room=msg.room)
         if room is not None and room.finished:
             raise PdxferError(f"room {msg.room} already failed before send(): {room.reason}", room=msg.room, code=room.code)
         if room is None and msg.room in self.finished:
             state, code, reason = self.finished[msg.room]
             raise PdxferError(f"room {msg.room} already {state.value} before send(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
+        if w is not None and w.first >= 0 and msg.first_page != w.end:
+            raise errors.BadMessage(f"a chunk of room {msg.room} starts at position {msg.first_page}, but the chunks before it end at {w.end}: chunks come in order, without gaps", room=msg.room)
         created = room is None
         if created:
             room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            self.work[room.id] = w = PrefillWork()
+        if msg.last:
+            try:
+                self.bind_slot(room, msg.slot, msg.generation)
+            except PdxferError:
+                if created:
+                    self.rooms.remove(room.id)
+                    self.work.pop(room.id, None)
+                raise
+            w.last, w.num_tokens, w.aux_bytes = True, msg.num_tokens, msg.aux_bytes
+            room.release_when_settled = msg.release_when_settled
+        w.engine, w.memory_version = identity, msg.memory_version
+        if w.first < 0:
+            w.first = msg.first_page
+        w.end = msg.first_page + src.size
+        w.chunks.append((msg.first_page, src.copy()))
+        if w.started:
+            self._write_chunks(room, w)
+        else:
+            self.advance(room, Event.INPUT_READY)
+            if room.state is RoomState.TRANSFERRING:
+                self._start(room, w, announce=TransferStarted(room=room.id))
+        return Ok(req=msg.req)
+
+    def on_announce(self, identity: bytes, msg: Announce) -> Message:
+        """The engine will send this room: it hears the room's status when the decode's
+        request comes (waiting_for_input, with its pages), now if it came already."""
+        room = self.rooms.find(msg.room)
+        if room is None and msg.room in self.finished:
+            state, code, reason = self.finished[msg.room]
+            raise PdxferError(f"room {msg.room} already {state.value} before announce(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
+        if room is None:
+            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
             self.work[room.id] = PrefillWork()
-        try:
-            self.bind_slot(room, msg.slot, msg.generation)
-        except PdxferError:
-            if created:
-                self.rooms.remove(room.id)
-                self.work.pop(room.id, None)
-            raise
         w = self.work[room.id]
-        w.engine, w.src_pages, w.num_tokens = identity, src.copy(), msg.num_tokens
-        w.aux_bytes, w.memory_version = msg.aux_bytes, msg.memory_version
-        room.release_when_settled = msg.release_when_settled
-        self.rooms.apply(room, Event.INPUT_READY, self.clock())
-        if room.state is RoomState.TRANSFERRING:
-            self._start(room, w, announce=TransferStarted(room=room.id))
+        w.engine = identity
+        if room.finished or w.request is not None:
+            self.push(room, identity)
         return Ok(req=msg.req)
 
     # --- bootstrap channel
@@ -319,18 +364,18 @@ class PrefillService(RoomService):
         w.peer, w.request, w.dst_pages = peer.identity, msg, dst.copy()
         room.peer = peer.label
         peer.rooms.add(room.id)
-        self.rooms.apply(room, Event.BOOTSTRAPPED, self.clock())
+        self.advance(room, Event.BOOTSTRAPPED)
         if room.state is RoomState.TRANSFERRING:
             self._start(room, w, announce=RoomAccepted(room=room.id, input_ready=True))
         else:
             self.port.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=False))
 
     def _start(self, room: Room, w: PrefillWork, announce: Message) -> None:
-        """Both halves are in: check everything, plan, and hand the blocks to the pump.
-        ``announce`` tells the decode side writes begin (room_accepted, or
-        transfer_started when our input came later). An inline room's aux record, sent
-        at once, tells it instead, and a failed room's room_failed: one message fewer
-        for every small room."""
+        """Both halves are in: check everything, then write the chunks handed over so far
+        (and later ones as they come). ``announce`` tells the decode side writes begin
+        (room_accepted, or transfer_started when our input came later). An inline room's
+        aux record, sent at once, tells it instead, and a failed room's room_failed: one
+        message fewer for every small room."""
         kv = self._kv()
         peer = self.peers.get(w.peer)
         req = w.request
@@ -340,20 +385,22 @@ class PrefillService(RoomService):
             dst_hello = peer.hello
             check_memory_version(req.memory_version, dst_hello.memory_version, "destination", room.id)
             check_pages(w.dst_pages, dst_hello.num_pages, "destination", room.id)
-            check_capacity(w.num_tokens, req.num_draft_tokens, w.dst_pages.size, kv.layout.page_size, room.id)
             if req.slot >= dst_hello.aux_slots:
                 raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{dst_hello.aux_slots - 1}", room=room.id)
-            nbytes = w.src_pages.size * kv.page_bytes
-            inline = paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes)
-            blocks = None if inline else plan_blocks(kv.regions, kv.bases, dst_hello.region_bases, w.src_pages, w.dst_pages)
+            check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room.id)
+            inline = self._inline(room, w, kv, dst_hello)
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
-        room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
-        if inline:  # a few pages: they ride the aux record
+        w.started = True
+        if inline is not None:  # a few pages: they ride the aux record
+            kept, nbytes = inline
+            w.chunks.clear()
+            w.kept, w.written = [kept], kept.size
+            room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
             self.kv_inline_rooms += 1
             self.kv_inline_bytes += nbytes
-            self._send_aux(room, w, kv.gather(w.src_pages))
+            self._send_aux(room, w, kv.gather(kept))
             return
         now, leave = self.clock(), peer.writes_until or math.inf
         if now >= leave:
@@ -363,8 +410,63 @@ class PrefillService(RoomService):
             return
         self.port.send_peer(w.peer, announce)
         w.lease_end = min(now + self._lease(req), leave)
-        w.job = Job(room.id, peer.sessions, blocks, self._kv_written, deadline=w.lease_end, probe=dst_hello.probe_base)
-        self.port.submit(w.job)
+        self._write_chunks(room, w)
+
+    def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
+        """A room handed over in one chunk whose KV is small enough to ride its aux record:
+        its source pages (checked, as the last chunk's are) and their bytes; else None. A
+        chunked room is written as it comes."""
+        if not (w.last and len(w.chunks) == 1):
+            return None
+        kept, _ = chunk_pages(*w.chunks[0], w.request.skip_pages, w.dst_pages, room.id)
+        nbytes = kept.size * kv.page_bytes
+        if not paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes):
+            return None
+        self._check_end(room, w)
+        return kept, nbytes
+
+    def _check_end(self, room: Room, w: PrefillWork) -> None:
+        """The last chunk is in: the positions match the decode's, and C1."""
+        req = w.request
+        check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, True, room.id)
+        self._check_capacity(room, w)
+
+    def _check_capacity(self, room: Room, w: PrefillWork) -> None:
+        """C1, once the token count is known (the last chunk): the decode's pages hold the
+        tokens after its prefix, and its draft tokens."""
+        req, page_size = w.request, self._kv().spec.page_size
+        check_capacity(w.num_tokens - req.skip_pages * page_size, req.num_draft_tokens, w.dst_pages.size, page_size, room.id)
+
+    def _write_chunks(self, room: Room, w: PrefillWork) -> None:
+        """Plan and submit the chunks handed over and not written yet; once the last
+        chunk's writes all completed, the aux record follows (_kv_written)."""
+        kv, req, peer = self._kv(), w.request, self.peers.get(w.peer)
+        try:
+            if peer is None:
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room.id)
+            if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
+                self._check_end(room, w)
+            planned = [chunk_pages(first, src, req.skip_pages, w.dst_pages, room.id) for first, src in w.chunks]
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return
+        w.chunks.clear()
+        if w.last:  # the room is whole: its aux record is planned too
+            room.bytes_planned += HEADER_BYTES + w.aux_bytes
+        for kept, dst in planned:
+            w.kept.append(kept)
+            w.written += kept.size
+            room.bytes_planned += kept.size * kv.page_bytes
+            if kept.size:
+                job = Job(room.id, peer.sessions, plan_blocks(kv.regions, kv.bases, peer.hello.region_bases, kept, dst),
+                          self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+                w.jobs.add(job)
+                self.port.submit(job)
+        self._aux_when_written(room, w)
+
+    def _aux_when_written(self, room: Room, w: PrefillWork) -> None:
+        if w.last and not w.jobs and not w.chunks and not w.aux_sent and not room.finished:
+            self._send_aux(room, w)
 
     def _lease(self, req: RoomRequest) -> float:
         """Seconds this room may keep submitting writes: our transfer timeout, or the
@@ -374,29 +476,31 @@ class PrefillService(RoomService):
 
     def _kv_written(self, job: Job) -> None:
         room, w = self.rooms.find(job.id), self.work.get(job.id)
-        if room is None or w is None or w.job is not job:
+        if room is None or w is None or job not in w.jobs:
             return
-        if room.finished:  # failed while its writes drained: now they have
-            self._settled(room, job)
+        if not job.abandoned:
+            w.jobs.discard(job)
+        if room.finished:  # failed while its writes drained: now this job's have
+            self._drained(room, w)
             return
         room.bytes_moved += job.blocks.nbytes if job.ok else 0
         if not job.ok:
             self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
             return
-        self._send_aux(room, w)
+        self._aux_when_written(room, w)
 
     def _send_aux(self, room: Room, w: PrefillWork, kv: bytes = b"") -> None:
         """Every KV block is written, or ``kv`` carries the room's KV: the aux goes (A3)."""
+        w.aux_sent = True
         aux, peer, req = self._aux(), self.peers.get(w.peer), w.request
         if peer is None:
             self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
             return
         if peer.hello.verify_kv or self.config.verify_kv:  # of inline KV, without gathering it again
-            w.digest = zlib.crc32(kv) if kv else self._kv().digest(w.src_pages)
+            w.digest = zlib.crc32(kv) if kv else self._kv().digest(w.source_pages())
         payload = aux.payload(room.slot, w.aux_bytes)
         stamp = stamp_for(room.id, req.generation, payload)
         if self.aux_path is paths.AuxPath.TCP:
-            w.job = None
             self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
             return
         aux.write_header(room.slot, stamp)
@@ -410,30 +514,31 @@ class PrefillService(RoomService):
         return AuxRecord(
             room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
             payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
-            kv_pages=w.src_pages.size, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
+            kv_pages=w.written, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
         )
 
     def _aux_written(self, job: Job) -> None:
         room, w = self.rooms.find(job.id), self.work.get(job.id)
         if room is None or w is None or w.job is not job:
             return
+        if not job.abandoned:
+            w.job = None
         if room.finished:
-            self._settled(room, job)
+            self._drained(room, w)
             return
         if not job.ok:
             self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
             return
-        w.job = None
         room.bytes_moved += job.blocks.nbytes
         self.port.send_peer(w.peer, self._record(room, w, self._aux().header(room.slot)))
 
-    def _settled(self, room: Room, job: Job) -> None:
-        """A failed room's last writes drained: it is fenced, and the peer may reuse
-        the pages and slot it gave us."""
-        w = self.work[room.id]
-        if job.abandoned:
-            return  # writes may still land: the decode side waits for another proof (kept for transport_closed)
-        w.job = None
+    def _drained(self, room: Room, w: PrefillWork) -> None:
+        """A job of a failed room settled. Once the last one has, and the pump gave up
+        on none (their writes may still land: the decode side waits for another proof,
+        and the jobs are kept for transport_closed), the room is fenced and the peer may
+        reuse the pages and slot it gave us."""
+        if w.jobs or w.job is not None:
+            return
         if w.peer:
             self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
         self.fenced(room)
@@ -442,11 +547,12 @@ class PrefillService(RoomService):
         """This daemon's transfer engines are gone (it is stopping): nothing of ours can
         land any more, so every failed room still waiting for its writes, or given up
         on by the pump, is fenced and its decode side told so. Returns how many."""
-        waiting = [(room, w.job) for room_id, w in self.work.items()
-                   if w.job is not None and (room := self.rooms.find(room_id)) is not None and room.finished]
-        for room, job in waiting:
-            job.abandoned = False
-            self._settled(room, job)
+        waiting = [(room, w) for room_id, w in self.work.items()
+                   if (w.jobs or w.job is not None) and (room := self.rooms.find(room_id)) is not None and room.finished]
+        for room, w in waiting:
+            w.jobs.clear()
+            w.job = None
+            self._drained(room, w)
         return len(waiting)
 
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
@@ -475,7 +581,7 @@ class PrefillService(RoomService):
             return
         if room is None and msg.room not in self.finished:  # its request never reached us: a later send() hears why
             self.remember(msg.room, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
-        if w is None or w.job is None:  # nothing of ours in flight: acknowledge the fence now
+        if w is None or (w.job is None and not w.jobs):  # nothing of ours in flight: acknowledge the fence now
             self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
 
     # --- peer health
@@ -526,11 +632,14 @@ class PrefillService(RoomService):
         w = self.work.get(room.id)
         if w is None:
             return True
+        w.chunks.clear()
+        jobs = [job for job in (*w.jobs, w.job) if job is not None]
+        for job in jobs:
+            if not job.settled:
+                self.port.cancel(job)
         # A job the pump abandoned has settled, but its writes may still land (a wedged
         # session): that is no proof, so the decode side is not told fenced.
-        in_flight = w.job is not None and (not w.job.settled or w.job.abandoned)
-        if w.job is not None and not w.job.settled:
-            self.port.cancel(w.job)
+        in_flight = any(not job.settled or job.abandoned for job in jobs)
         if w.peer:
             self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))
         return not in_flight
@@ -538,6 +647,12 @@ class PrefillService(RoomService):
     def engine_of(self, room: Room) -> bytes:
         w = self.work.get(room.id)
         return w.engine if w else b""
+
+    def room_pages(self, room: Room) -> tuple[int, int]:
+        w = self.work.get(room.id)
+        if w is None or w.request is None:
+            return 0, 0
+        return w.request.skip_pages + w.dst_pages.size, w.request.skip_pages
 
     def room_memory_version(self, room: Room) -> int:
         w = self.work.get(room.id)

@@ -83,8 +83,8 @@ async def _settle(client: AsyncClient, room: int) -> str:
 async def run_chaos(prefill_engine: str, decode_engine: str, bootstrap: str, spec: ChaosSpec) -> ChaosReport:
     report = ChaosReport(rooms=spec.rooms)
     rng = random.Random(spec.seed)
-    pre = AsyncClient(prefill_engine, timeout=spec.client_timeout, name="chaos-prefill")
-    dec = AsyncClient(decode_engine, timeout=spec.client_timeout, name="chaos-decode")
+    pre = AsyncClient(prefill_engine, timeout=spec.client_timeout, engine_id="chaos-prefill")
+    dec = AsyncClient(decode_engine, timeout=spec.client_timeout, engine_id="chaos-decode")
     await pre.connect()
     await dec.connect()
     try:
@@ -192,7 +192,7 @@ async def _free(client: AsyncClient, slot: Slot) -> None:
 
 async def settled_stats(engine: str, timeout: float) -> object:
     """A daemon's stats once no room is held and no slot quarantined (or the timeout)."""
-    client = AsyncClient(engine, name="chaos-stats")
+    client = AsyncClient(engine, engine_id="chaos-stats")
     await client.connect()
     try:
         deadline = time.monotonic() + timeout

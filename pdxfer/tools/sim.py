@@ -190,7 +190,7 @@ async def _ready(args, report: Reporter) -> None:
 
 
 async def _connect(args) -> tuple[AsyncClient, KVLayout]:
-    client = AsyncClient(args.engine, timeout=args.timeout, name=f"sim-{args.role}", slot_batch=8)
+    client = AsyncClient(args.engine, timeout=args.timeout, engine_id=f"sim-{args.role}", slot_batch=8)
     await client.connect()
     layout = layout_from(args)
     await client.create_kv_pool(layout)

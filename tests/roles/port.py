@@ -56,6 +56,7 @@ class RecordingPort:
         self.links: list[tuple[str, str]] = []  # ("open" | "close", endpoint)
         self.mapped: list[Buffer] = []
         self.released: list[Buffer] = []
+        self.remade: set[MemoryHandle] = set()  # handles whose memory the test made anew under the same name
         self.transitions: list[tuple[int, RoomState | None, RoomState]] = []  # (room, from, to)
         self.registry: dict[str, tuple[str, str]] | None = None  # name -> (bootstrap, incarnation); None: no registry
         self._timers: list[tuple[int, int, Callable[[], None]]] = []
@@ -119,6 +120,9 @@ class RecordingPort:
 
     def release_mapping(self, mapping: Buffer) -> None:
         self.released.append(mapping)
+
+    def same_memory(self, handle: MemoryHandle, mapping: Buffer) -> bool:
+        return handle not in self.remade
 
     def observe(self, room: Room, left: RoomState | None, now: float) -> None:
         self.transitions.append((room.id, left, room.state))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdxfer.core.config import Config
-from pdxfer.core.plan import Blocks, compat_of
+from pdxfer.core.plan import Blocks, compat_of, layout_registration
 from pdxfer.roles.prefill import DecodePeer, PrefillService, PrefillWork
 from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, PeerHello, Role, RoomState, compat_hash
 from pdxfer.transport import Job
@@ -20,7 +20,7 @@ from .port import RecordingPort
 
 
 def hello(name: str, sessions: tuple[str, ...]) -> PeerHello:
-    ours = compat_of(small_layout(), 96)
+    ours = compat_of(*layout_registration(small_layout()), 96)
     return PeerHello(
         version=PROTOCOL_VERSION, incarnation=name * 16, session=sessions[0], compat=ours, compat_hash=compat_hash(ours),
         region_bases=(0,), num_pages=256, aux_base=0, aux_slots=32, memory_version=1, name=f"host/{name}", sessions=sessions,
