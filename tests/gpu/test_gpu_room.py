@@ -12,8 +12,10 @@ import pytest
 
 from pdxfer.adapters.cuda import export_tensors
 from pdxfer.client import Client
-from pdxfer.core.plan import layout_regions, pool_bytes, region_views
-from pdxfer.core.protocol import Layout, RegisterKV, RoomState
+import msgspec
+
+from pdxfer.core.plan import layout_regions, layout_registration, pool_bytes, region_views
+from pdxfer.core.protocol import Layout, RoomState
 
 from ..conftest import needs_mooncake, small_layout
 from . import cuda_missing
@@ -28,17 +30,18 @@ LAYOUT = small_layout(Layout.MHA, num_layers=8, num_pages=512, page_size=16, tok
 
 
 def gpu_engine(daemon):
-    """A client of ``daemon`` whose KV pool is a CUDA tensor of this process. Over
-    10 MiB the caching allocator gives the tensor a block of its own, so it starts at
-    the block's start: protocol 3's register_kv has no offset (v4's regions carry one)."""
+    """A client of ``daemon`` whose KV pool is a CUDA tensor of this process, registered
+    as one buffer (its cudaMalloc block) and the layout's regions at the tensor's offset
+    inside it."""
     import torch
 
     pool = torch.zeros(pool_bytes(LAYOUT), dtype=torch.uint8, device="cuda")
     (handle,), (place,) = export_tensors([pool])
-    assert place.offset == 0 and handle.size >= place.length == pool_bytes(LAYOUT)
-    client = Client(daemon.engine, timeout=20.0)
+    assert handle.size >= place.offset + place.length and place.length == pool_bytes(LAYOUT)
+    spec, regions = layout_registration(LAYOUT)
+    client = Client(daemon.engine, timeout=20.0, device="cuda:0")
     client.connect()
-    client._call(RegisterKV(req=next(client._req), memory=handle, layout=LAYOUT, memory_version=1))
+    client.register_kv([handle], spec, [msgspec.structs.replace(r, offset=r.offset + place.offset) for r in regions])
     client.create_aux_buffer(16, 64)
     return client, pool
 
