@@ -8,7 +8,7 @@ a pool at B is the bytes [B + p * PAGE_BYTES, B + (p + 1) * PAGE_BYTES).
 from __future__ import annotations
 
 from pdxfer.core.config import Config
-from pdxfer.core.plan import compat_of, layout_regions, pages_to_bytes, pool_bytes
+from pdxfer.core.plan import compat_of, layout_regions, layout_registration, pages_to_bytes, pool_bytes
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     AllocSlot,
@@ -36,6 +36,7 @@ from .port import RecordingPort
 
 LAYOUT = KVLayout(layout=Layout.PAGE_FIRST, num_layers=2, num_pages=16, page_size=4, token_bytes=8, dtype="bfloat16")
 (REGION,) = layout_regions(LAYOUT)
+SPEC, REGIONS = layout_registration(LAYOUT)
 PAGE_BYTES = REGION.page_bytes  # 2 layers x K,V x 4 tokens x 8 bytes = 128
 SLOTS, SLOT_BYTES = 8, 256
 ENGINE = b"engine-1"
@@ -75,7 +76,7 @@ def call(service, message: Message, engine: bytes = ENGINE) -> Message | None:
 
 def register(service) -> None:
     """What an engine does first: register its KV pool and its aux buffer."""
-    kv = RegisterKV(req=1, memory=ShmHandle(name="kv", size=pool_bytes(LAYOUT)), layout=LAYOUT, memory_version=1)
+    kv = RegisterKV(req=1, buffers=(ShmHandle(name="kv", size=pool_bytes(LAYOUT)),), spec=SPEC, regions=REGIONS, memory_version=1)
     aux = RegisterAux(req=2, memory=ShmHandle(name="aux", size=SLOTS * SLOT_BYTES), num_slots=SLOTS, slot_bytes=SLOT_BYTES)
     for message in (kv, aux):
         reply = call(service, message)
@@ -107,7 +108,7 @@ def decode(port: RecordingPort | None = None, **options) -> DecodeService:
 def decode_hello(incarnation: str = DECODE_INCARNATION, name: str = "host/d", inline_kv_bytes: int = 0, **fields) -> PeerHello:
     """What a decode daemon with the pools above says first. No inline KV unless asked:
     the rooms here are about writes."""
-    ours = compat_of(LAYOUT, SLOT_BYTES)
+    ours = compat_of(SPEC, REGIONS, SLOT_BYTES)
     return PeerHello(
         version=PROTOCOL_VERSION, incarnation=incarnation, session=DECODE_SESSIONS[0], sessions=DECODE_SESSIONS,
         compat=ours, compat_hash=compat_hash(ours), region_bases=(DST_KV,), num_pages=LAYOUT.num_pages,
@@ -126,9 +127,10 @@ def expect(room: int, pages: list[int], slot: SlotGrant, bootstrap: str = BOOTST
                   generation=slot.generation, memory_version=1)
 
 
-def status(room: int, state: RoomState, fenced: bool, code: ErrorCode | None = None, reason: str = "") -> RoomStatus:
-    """What the engine hears of ``room``."""
-    return RoomStatus(req=0, room=room, state=state, code=code, reason=reason, fenced=fenced)
+def status(room: int, state: RoomState, fenced: bool, code: ErrorCode | None = None, reason: str = "", pages: int = 0, skip_pages: int = 0) -> RoomStatus:
+    """What the engine hears of ``room``: on the prefill, once the decode's request is in,
+    the positions it wants (``pages``) and those it skips."""
+    return RoomStatus(req=0, room=room, state=state, code=code, reason=reason, fenced=fenced, pages=pages, skip_pages=skip_pages)
 
 
 def run(service: PrefillService | DecodeService, ms: int) -> None:

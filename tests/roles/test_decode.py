@@ -73,6 +73,14 @@ def expecting(service: DecodeService, room: int, pages: list[int], bootstrap: st
     return sent
 
 
+def accepted(service: DecodeService, room: int, input_ready: bool = True, endpoint: str = ENDPOINT,
+             incarnation: str = PREFILL_INCARNATION) -> None:
+    """The prefill accepts ``room``; the engine hears of each state it moves to (B6)."""
+    link(service, RoomAccepted(room=room, input_ready=input_ready), endpoint, incarnation)
+    states = (W, T) if input_ready else (W,)
+    assert service.port.take() == [("engine", ENGINE, status(room, state, fenced=False)) for state in states]
+
+
 def record(request: RoomRequest, payload: bytes = b"", **fields) -> AuxRecord:
     """The prefill's aux record for ``request``, carrying ``payload``."""
     return AuxRecord(room=request.room, slot=request.slot, generation=request.generation, length=len(payload),
@@ -90,7 +98,7 @@ def test_an_expect_opens_a_link_says_hello_and_holds_the_request_until_the_prefi
     assert port.links == [("open", ENDPOINT)]
     hello = service.hello()
     assert (hello.name, hello.sessions, hello.session, hello.probe_base) == ("host/d", DECODE_SESSIONS, DECODE_SESSIONS[0], DST_PROBE)
-    assert (hello.aux_base, hello.region_bases) == (service.aux.memory.address, (service.kv.address,))
+    assert (hello.aux_base, hello.region_bases) == (service.aux.memory.address, (service.kv.buffers[0].address,))
     assert port.take() == [("link", ENDPOINT, hello)]  # the request waits: its leave to write needs the prefill's clock
 
     port.advance(7)
@@ -137,7 +145,7 @@ def test_an_aux_record_before_any_notice_lands_the_room_through_every_state():
     room = service.rooms.get(7)
     assert [state for state, _ in room.history] == [B, W, T, S]
     assert [(left, to) for r, left, to in port.transitions if r == 7] == [(None, B), (B, W), (W, T), (T, S)]
-    assert service.kv.memory.array[5 * PAGE_BYTES:7 * PAGE_BYTES].tobytes() == kv
+    assert service.kv.buffers[0].array[5 * PAGE_BYTES:7 * PAGE_BYTES].tobytes() == kv
     assert service.aux.payload(request.slot, 11) == b"first token"
     assert service.aux.slots.slots[request.slot].state is SlotState.WRITTEN
     assert service.bytes_received == room.bytes_moved > len(kv)
@@ -147,8 +155,8 @@ def test_an_aux_record_after_room_accepted_but_before_transfer_started_lands_the
     service = decode()
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=False))
-    assert service.rooms.get(7).state is W and port.take() == []
+    accepted(service, 7, input_ready=False)
+    assert service.rooms.get(7).state is W
     link(service, record(request, b"x", kv_pages=1, kv=bytes(PAGE_BYTES)))
     assert port.take() == [("engine", ENGINE, status(7, S, fenced=True)), ("link", ENDPOINT, RoomAck(room=7))]
     assert [state for state, _ in service.rooms.get(7).history] == [B, W, T, S]
@@ -158,9 +166,9 @@ def test_the_notices_then_the_record_land_the_room_in_order():
     service = decode()
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=False))
+    accepted(service, 7, input_ready=False)
     link(service, TransferStarted(room=7))
-    assert service.rooms.get(7).state is T and port.take() == []
+    assert service.rooms.get(7).state is T and port.take() == [("engine", ENGINE, status(7, T, fenced=False))]
     link(service, record(request, b"aux", kv_pages=1))
     assert port.take() == [("engine", ENGINE, status(7, S, fenced=True)), ("link", ENDPOINT, RoomAck(room=7))]
     assert [state for state, _ in service.rooms.get(7).history] == [B, W, T, S]
@@ -170,7 +178,7 @@ def test_a_stamp_written_by_the_transfer_engine_is_checked_again_until_it_is_vis
     service = decode(visibility_grace=0.05)
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     start = port.ms
     link(service, record(request, b"aux", kv_pages=1, via_transfer_engine=True))
     assert port.take() == [] and port.timers() == [start + 1]  # not visible yet: look again soon
@@ -186,7 +194,7 @@ def test_a_stamp_that_never_becomes_visible_fails_the_room_after_the_grace():
     service = decode(visibility_grace=0.05)
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     link(service, record(request, b"aux", kv_pages=1, via_transfer_engine=True))
     port.advance(49)
     assert service.rooms.get(7).state is T
@@ -205,7 +213,7 @@ def test_a_failed_room_stays_fence_pending_until_the_prefill_says_nothing_is_in_
     service = decode()
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     assert call(service, Abort(req=12, room=7, reason="client went away")) == Ok(req=12)
     reason = "aborted by the decode engine: client went away"
     assert port.take() == [("link", ENDPOINT, RoomFailed(room=7, code=ErrorCode.ABORTED, reason=reason, fenced=True)),
@@ -225,7 +233,7 @@ def test_a_released_room_keeps_its_slot_quarantined_until_the_prefills_proof():
     service = decode()
     port = service.port
     request = expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     link(service, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False))
     assert port.take() == [("engine", ENGINE, status(7, F, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="prefill side: write failed"))]
     assert call(service, Release(req=13, room=7)) == Ok(req=13)
@@ -239,7 +247,7 @@ def test_a_cut_fences_every_fence_pending_room_and_tells_the_prefills_the_new_se
     service = decode()
     port = service.port
     expecting(service, 7, [5])
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     call(service, Abort(req=12, room=7))
     port.take()
     assert service.cut_done("operator cut", ("10.0.0.2:16101",)) == 1
@@ -259,7 +267,7 @@ def test_a_silent_prefill_is_declared_dead_after_the_heartbeat_bound_and_exactly
     expecting(service, 8, [6], OTHER, OTHER_ENDPOINT, OTHER_INCARNATION)
     for endpoint, incarnation, room in ((ENDPOINT, PREFILL_INCARNATION, 7), (OTHER_ENDPOINT, OTHER_INCARNATION, 8)):
         service.on_connection(endpoint, "connected")
-        link(service, RoomAccepted(room=room, input_ready=True), endpoint, incarnation)
+        accepted(service, room, endpoint=endpoint, incarnation=incarnation)
     heard = port.ms
     beats = 0
     for _ in range(5 * 1000 // TICK):  # the other prefill answers every heartbeat; this one nothing
@@ -289,7 +297,7 @@ def test_a_prefill_that_closes_its_connection_with_live_rooms_is_declared_dead()
     port = service.port
     expecting(service, 7, [5])
     service.on_connection(ENDPOINT, "connected")
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     service.on_connection(ENDPOINT, "disconnected")
     reason = f"prefill {ENDPOINT} closed its connection"
     assert port.take() == [("link", ENDPOINT, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
@@ -303,8 +311,8 @@ def test_a_restarted_prefill_fails_and_fences_its_predecessors_rooms_at_once():
     port = service.port
     expecting(service, 7, [5])
     expecting(service, 8, [6])
-    link(service, RoomAccepted(room=7, input_ready=True))
-    link(service, RoomAccepted(room=8, input_ready=True))
+    accepted(service, 7)
+    accepted(service, 8)
     new = "n" * 16
     link(service, welcome(clock=9_000.0, incarnation=new), incarnation=new)
     reason = f"prefill {ENDPOINT} restarted (incarnation {PREFILL_INCARNATION} -> {new})"
@@ -327,7 +335,7 @@ def test_a_prefill_the_registry_says_was_replaced_has_its_rooms_failed_and_fence
     port = service.port
     port.registry = {"prefill-0": ("10.0.0.1:8998", "n" * 16)}
     expecting(service, 7, [5], bootstrap="prefill-0")  # by name, through the registry
-    link(service, RoomAccepted(room=7, input_ready=True))
+    accepted(service, 7)
     port.take()
 
     class Gone:  # the registry record that went: the old incarnation

@@ -9,6 +9,7 @@ import zlib
 from pdxfer.core.plan import pages_to_bytes
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
+    Announce,
     AuxRecord,
     ErrorCode,
     Heartbeat,
@@ -20,6 +21,7 @@ from pdxfer.core.protocol import (
     RoomFailed,
     RoomRequest,
     RoomState,
+    Send,
     TransferStarted,
 )
 from pdxfer.core.slots import SlotState
@@ -66,9 +68,15 @@ def peer(service: PrefillService, message, identity: bytes = DECODE, incarnation
     service.on_peer(identity, incarnation, codec.encode(message))
 
 
-def request(room: int, pages: list[int], *, slot: int = 3, generation: int = 1, lease_ms: int = TRANSFER, writes_until: float = 0.0) -> RoomRequest:
+def request(room: int, pages: list[int], *, slot: int = 3, generation: int = 1, lease_ms: int = TRANSFER, writes_until: float = 0.0,
+            skip_pages: int = 0) -> RoomRequest:
     return RoomRequest(room=room, pages=pages_to_bytes(pages), slot=slot, generation=generation, memory_version=1,
-                       lease_ms=lease_ms, writes_until=writes_until)
+                       lease_ms=lease_ms, writes_until=writes_until, skip_pages=skip_pages)
+
+
+def chunk(room: int, first: int, pages: list[int]) -> Send:
+    """A chunk of ``room`` that is not its last (engine.send(room, pages, first_page=first, last=False))."""
+    return Send(req=10, room=room, pages=pages_to_bytes(pages), memory_version=1, first_page=first, last=False)
 
 
 def blocks(job: Job) -> list[tuple[int, int, int]]:
@@ -105,10 +113,12 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
     slot = grant(service)
     port.advance(3)
     assert call(service, send(7, [1, 2], slot, aux_bytes=9)) == Ok(req=10)
-    assert port.take() == [("peer", DECODE, TransferStarted(room=7))]
+    # The engine hears of every change of state (B6), with the positions the decode wants.
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
+                           ("peer", DECODE, TransferStarted(room=7))]
     (job,) = port.submitted
     # Pages 1,2 here are contiguous, and 5,6 there: one block of two pages.
-    assert blocks(job) == [(service.kv.address + 1 * PAGE_BYTES, DST_KV + 5 * PAGE_BYTES, 2 * PAGE_BYTES)]
+    assert blocks(job) == [(service.kv.bases[0] + 1 * PAGE_BYTES, DST_KV + 5 * PAGE_BYTES, 2 * PAGE_BYTES)]
     assert (job.id, job.peer, job.probe) == (7, DECODE_SESSIONS, DST_PROBE)
     assert job.deadline == port.clock() + 30.0  # its lease: sooner than the leave to write
 
@@ -120,7 +130,7 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
     assert service.rooms.get(7).state is RoomState.TRANSFERRING  # not before the decode side verified it (A1)
 
     peer(service, RoomAck(room=7))
-    assert port.take() == [("engine", ENGINE, status(7, RoomState.SUCCESS, fenced=True))]
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.SUCCESS, fenced=True, pages=2))]
     assert service.outcomes["success"] == 1 and port.cancelled == []
 
 
@@ -133,9 +143,10 @@ def test_a_send_before_the_request_waits_and_the_request_is_accepted_with_input_
     assert port.take() == [] and service.rooms.get(7).state is RoomState.BOOTSTRAPPING
 
     peer(service, request(7, [8, 10]))
-    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
     (job,) = port.submitted
-    base = service.kv.address
+    base = service.kv.bases[0]
     assert blocks(job) == [(base + 1 * PAGE_BYTES, DST_KV + 8 * PAGE_BYTES, PAGE_BYTES),
                            (base + 2 * PAGE_BYTES, DST_KV + 10 * PAGE_BYTES, PAGE_BYTES)]
     assert service.rooms.get(7).state is RoomState.TRANSFERRING
@@ -148,12 +159,13 @@ def test_an_inline_room_sends_its_aux_record_with_its_kv_at_once_and_no_other_no
     port = service.port
     hello(service, inline_kv_bytes=64 * 1024)
     for page in (1, 2):
-        service.kv.memory.array[page * PAGE_BYTES:][:PAGE_BYTES] = page
+        service.kv.buffers[0].array[page * PAGE_BYTES:][:PAGE_BYTES] = page
     slot = grant(service)
     assert call(service, send(7, [1, 2], slot)) == Ok(req=10)
     peer(service, request(7, [5, 6]))
     kv = bytes([1] * PAGE_BYTES + [2] * PAGE_BYTES)
-    assert port.take() == [("peer", DECODE, AuxRecord(room=7, slot=3, generation=1, length=0, checksum=0, kv_pages=2, kv=kv))]
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
+                           ("peer", DECODE, AuxRecord(room=7, slot=3, generation=1, length=0, checksum=0, kv_pages=2, kv=kv))]
     assert port.submitted == [] and (service.kv_inline_rooms, service.kv_inline_bytes) == (1, 2 * PAGE_BYTES)
 
 
@@ -173,7 +185,8 @@ def test_no_write_is_submitted_once_the_leave_to_write_ran_out_to_the_millisecon
     assert call(service, send(7, [1], grant(service))) == Ok(req=10)
     (job,) = port.submitted
     assert job.deadline == seconds(leave_ms)
-    assert port.take() == [("peer", DECODE, TransferStarted(room=7))]
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=1)),
+                           ("peer", DECODE, TransferStarted(room=7))]
 
     port.advance(1)  # at it: nothing more is written to that decode daemon
     assert call(service, send(8, [2], grant(service))) == Ok(req=10)
@@ -181,8 +194,9 @@ def test_no_write_is_submitted_once_the_leave_to_write_ran_out_to_the_millisecon
     room = service.rooms.get(8)
     assert room.code is ErrorCode.LEASE_EXPIRED and room.reason.startswith("the decode daemon's leave to write ran out 0.0s ago")
     assert port.take() == [
+        ("engine", ENGINE, status(8, RoomState.TRANSFERRING, fenced=False, pages=1)),
         ("peer", DECODE, RoomFailed(room=8, code=ErrorCode.LEASE_EXPIRED, reason=room.reason, fenced=True)),
-        ("engine", ENGINE, status(8, RoomState.FAILED, fenced=True, code=ErrorCode.LEASE_EXPIRED, reason=room.reason)),
+        ("engine", ENGINE, status(8, RoomState.FAILED, fenced=True, code=ErrorCode.LEASE_EXPIRED, reason=room.reason, pages=1)),
     ]
 
 
@@ -243,7 +257,7 @@ def test_a_room_failed_by_its_decode_side_is_fenced_only_once_its_writes_in_flig
     assert port.cancelled == [job]
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.TIMEOUT, reason=reason, fenced=False)),
-        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TIMEOUT, reason=reason)),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TIMEOUT, reason=reason, pages=1)),
     ]
     slot = service.aux.slots.slots[service.rooms.get(7).slot]
     assert slot.state is SlotState.QUARANTINED
@@ -251,7 +265,7 @@ def test_a_room_failed_by_its_decode_side_is_fenced_only_once_its_writes_in_flig
     settle(job, error="cancelled")
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.TIMEOUT, reason=reason, fenced=True)),
-        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.TIMEOUT, reason=reason)),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.TIMEOUT, reason=reason, pages=1)),
     ]
     assert slot.state is SlotState.FREE
 
@@ -280,7 +294,7 @@ def test_a_live_room_whose_writes_the_pump_abandoned_fails_unfenced():
     assert room.state is RoomState.FAILED and not room.fenced
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="stalled", fenced=False)),
-        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="stalled")),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="stalled", pages=1)),
     ]
     assert port.cancelled == []  # settled: nothing left to cancel
 
@@ -375,12 +389,88 @@ def test_a_restarted_decode_daemon_fails_and_fences_its_predecessors_rooms():
     assert port.cancelled == [job]
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=False)),
-        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason)),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason, pages=1)),
         ("peer", successor, PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock())),
     ]
     assert set(service.peers) == {successor}
     settle(job, error="cancelled")
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
-        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.PEER_DEAD, reason=reason)),
+        ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.PEER_DEAD, reason=reason, pages=1)),
     ]
+
+
+# --- announce, chunks and a prefix the decode holds (protocol 4)
+
+
+def test_an_announced_room_hears_waiting_for_input_with_the_decodes_positions_when_its_request_comes():
+    service = prefill()
+    port = service.port
+    hello(service)
+    assert call(service, Announce(req=20, room=7)) == Ok(req=20)
+    assert port.take() == []  # nothing to tell yet: bootstrapping
+    peer(service, request(7, [5, 6, 7], skip_pages=4))
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.WAITING_FOR_INPUT, fenced=False, pages=7, skip_pages=4)),
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=False))]
+    # Announced after the request came: the status at once, before the ok.
+    peer(service, request(8, [9], slot=4))
+    port.take()
+    assert call(service, Announce(req=21, room=8)) == Ok(req=21)
+    assert port.take() == [("engine", ENGINE, status(8, RoomState.WAITING_FOR_INPUT, fenced=False, pages=1))]
+
+
+def test_chunks_are_written_as_they_come_and_the_aux_record_follows_every_chunks_writes():
+    """12 positions, the decode holding the first 2: a chunk handed over before the
+    decode's request waits for it, and writes only the positions it does not skip; the
+    next ones are written as they come; the aux record waits for the last write."""
+    service = prefill()
+    port = service.port
+    hello(service)
+    base = service.kv.bases[0]
+    assert call(service, chunk(7, 0, [1, 2, 3, 4])) == Ok(req=10)
+    assert port.submitted == [] and service.rooms.get(7).state is RoomState.BOOTSTRAPPING
+    peer(service, request(7, list(range(4, 14)), skip_pages=2))
+    assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=12, skip_pages=2)),
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+    (first,) = port.submitted  # positions 2 and 3 (pages 3, 4) to the decode's first two pages
+    assert blocks(first) == [(base + 3 * PAGE_BYTES, DST_KV + 4 * PAGE_BYTES, 2 * PAGE_BYTES)]
+    assert call(service, chunk(7, 4, [9, 10, 11, 12])) == Ok(req=10)
+    second = port.submitted[-1]
+    assert blocks(second) == [(base + 9 * PAGE_BYTES, DST_KV + 6 * PAGE_BYTES, 4 * PAGE_BYTES)]
+    slot = grant(service)
+    last = Send(req=10, room=7, pages=pages_to_bytes([13, 14, 15, 0]), first_page=8, num_tokens=47, slot=slot.slot,
+                generation=slot.generation, memory_version=1)
+    assert call(service, last) == Ok(req=10)
+    third = port.submitted[-1]
+    assert blocks(third) == [(base + 13 * PAGE_BYTES, DST_KV + 10 * PAGE_BYTES, 3 * PAGE_BYTES), (base, DST_KV + 13 * PAGE_BYTES, PAGE_BYTES)]
+    assert port.take() == []
+    for job in (third, first):
+        settle(job)
+        assert port.take() == []  # a chunk's writes are still out
+    settle(second)
+    assert port.take() == [("peer", DECODE, AuxRecord(room=7, slot=3, generation=1, length=0, checksum=zlib.crc32(b""), kv_pages=10))]
+    assert service.rooms.get(7).bytes_moved == 10 * PAGE_BYTES
+
+
+def test_a_chunk_with_a_gap_is_refused_and_a_room_whose_chunks_end_short_of_the_decodes_fails_naming_both():
+    service = prefill()
+    port = service.port
+    hello(service)
+    peer(service, request(7, [4, 5, 6, 7]))
+    assert call(service, chunk(7, 0, [1, 2])) == Ok(req=10)
+    gap = call(service, chunk(7, 3, [4]))
+    assert gap.code is ErrorCode.BAD_MESSAGE and "starts at position 3, but the chunks before it end at 2" in gap.message
+    (job,) = port.submitted
+    port.take()
+    slot = grant(service)
+    assert call(service, Send(req=10, room=7, pages=pages_to_bytes([3]), first_page=2, num_tokens=12, slot=slot.slot,
+                              generation=slot.generation, memory_version=1)) == Ok(req=10)
+    room = service.rooms.get(7)
+    reason = "the prefill's room has 3 page positions but the decode expects 4 (0 skipped + 4 pages)"
+    assert (room.code, room.reason) == (ErrorCode.BAD_MESSAGE, reason)
+    assert len(port.submitted) == 1 and port.cancelled == [job]  # the last chunk wrote nothing; the first's write is stopped
+    assert port.take() == [("peer", DECODE, RoomFailed(room=7, code=ErrorCode.BAD_MESSAGE, reason=reason, fenced=False)),
+                           ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.BAD_MESSAGE, reason=reason, pages=4))]
+    settle(job, error="cancelled")  # fenced once the first chunk's write settled
+    assert port.take() == [("peer", DECODE, RoomFailed(room=7, code=ErrorCode.BAD_MESSAGE, reason=reason, fenced=True)),
+                           ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.BAD_MESSAGE, reason=reason, pages=4))]
