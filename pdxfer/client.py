@@ -6,7 +6,7 @@ KV pools) and aux buffers with the local daemon, and run rooms.
         client.register_kv(buffers, spec, regions)   # memory the engine owns (protocol.KVSpec, KVRegion)
         aux = client.create_aux_buffer(num_slots=256, payload_bytes=4096)
         slot = client.alloc_slot()
-        client.expect(room, "10.0.0.5:8998", pages, slot, skip_pages=prefix_pages, num_draft_tokens=4)
+        client.expect(room, "10.0.0.5:18998", pages, slot, skip_pages=prefix_pages, num_draft_tokens=4)
         status = client.wait(room)          # Success, or Failed once fenced
         record = aux.read(slot, room)       # the aux record, checked against its stamp
         ...read the prompt's KV from the engine's pages...

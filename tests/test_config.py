@@ -21,7 +21,7 @@ def write_toml(tmp_path, text: str) -> str:
 def test_defaults():
     cfg = config.load(flags={"role": "prefill"}, env={})
     assert cfg.role is Role.PREFILL
-    assert (cfg.bootstrap_port, cfg.protocol, cfg.device, cfg.aux_path) == (8998, "tcp", "cpu", "auto")
+    assert (cfg.bootstrap_port, cfg.protocol, cfg.device, cfg.aux_path) == (18998, "tcp", "cpu", "auto")
     assert (cfg.max_rooms, cfg.peer_window, cfg.fence_timeout) == (4096, 512, 10.0)
 
 
@@ -168,7 +168,7 @@ def test_every_field_is_documented():
         assert description.strip(), f"config field {name} has no description (it is its --help text)"
     defaults = {name: default for name, default, _ in fields}
     assert defaults["role"] is msgspec.NODEFAULT
-    assert defaults["bootstrap_port"] == 8998
+    assert defaults["bootstrap_port"] == 18998
 
 
 def test_engine_address_uses_runtime_dir_and_instance_name():

@@ -215,15 +215,15 @@ def test_the_engine_example_states_its_shared_memory_as_it_maps_it():
 
 
 def test_the_readme_engine_example_runs_as_written(runtime_dir):
-    """The README's lines as they stand, but for a free port (8998 may be another
+    """The README's lines as they stand, but for a free port (18998 may be another
     user's) and the activation of .venv: this suite's interpreter goes first on PATH
     instead, with this checkout's pdxfer on PYTHONPATH whatever that environment has
     installed. They name no socket and no runtime directory: daemons and engines find
     each other in the default one, here this test's (PDXFER_RUNTIME_DIR)."""
     script = readme_block("sh", "python examples/engine.py")
-    assert script.startswith(". .venv/bin/activate\n") and "8998" in script, script
+    assert script.startswith(". .venv/bin/activate\n") and "18998" in script, script
     assert "engine.sock" not in script and "--runtime-dir" not in script and "/tmp/" not in script, script
-    script = script.removeprefix(". .venv/bin/activate\n").replace("8998", str(free_port()))
+    script = script.removeprefix(". .venv/bin/activate\n").replace("18998", str(free_port()))
     env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]), "PYTHONPATH": ROOT,
            "PDXFER_RUNTIME_DIR": runtime_dir}
     shell = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -65,7 +65,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     ],
     p.Expect: [
         p.Expect(
-            req=7, room=11, bootstrap="tcp://10.0.0.1:8998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4,
+            req=7, room=11, bootstrap="tcp://10.0.0.1:18998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4,
             skip_pages=5,
         )
     ],
@@ -80,19 +80,19 @@ SAMPLES: dict[type, list[p.Message]] = {
     p.AdminInfo: [p.AdminInfo(req=6)],
     p.RoomsReply: [
         p.RoomsReply(req=1, rooms=[p.RoomInfo(
-            room=BIG, role=p.Role.DECODE, state=p.RoomState.FAILED, age=3.5, in_state=1.0, peer="tcp://10.0.0.1:8998",
+            room=BIG, role=p.Role.DECODE, state=p.RoomState.FAILED, age=3.5, in_state=1.0, peer="tcp://10.0.0.1:18998",
             slot=2, generation=7, bytes_planned=4096, bytes_moved=0, fenced=True, code=p.ErrorCode.PEER_DEAD,
             reason="prefill restarted", history=((p.RoomState.BOOTSTRAPPING, 0.0), (p.RoomState.FAILED, 2.5)),
         )])
     ],
     p.PeersReply: [p.PeersReply(req=4, peers=[p.PeerInfo(
-        address="tcp://10.0.0.1:8998", name="p0", incarnation="abc", state="alive", last_heard=0.3, rtt_ms=0.2,
+        address="tcp://10.0.0.1:18998", name="p0", incarnation="abc", state="alive", last_heard=0.3, rtt_ms=0.2,
         clock_skew_ms=-1.5, rooms=3,
     )])],
     p.SlotsReply: [p.SlotsReply(req=5, slots=[p.SlotInfo(index=0, state="quarantined", room=9, generation=4, since=0.5, fence_in=9.5)])],
     p.InfoReply: [p.InfoReply(
         req=6, role=p.Role.PREFILL, name="prefill", incarnation="abc", version=1, uptime=12.0, wall=1.7e9, ready=False,
-        not_ready=["no engine connected"], draining=False, bootstrap="10.0.0.1:8998", session="10.0.0.1:15000",
+        not_ready=["no engine connected"], draining=False, bootstrap="10.0.0.1:18998", session="10.0.0.1:15000",
         engine="ipc:///run/pdxfer/prefill.engine.sock", config={"role": "prefill", "max_rooms": 4096},
         rooms={"success": 2}, slots={"free": 4}, failures={"timeout": 1}, counters={"bytes_moved": 1e9},
         queues={"writes_in_flight": 3},

@@ -65,7 +65,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     host: Annotated[str, _doc("address this daemon binds and advertises to peers and the transfer engine")] = "127.0.0.1"
     bootstrap_port: Annotated[
         int, _doc("prefill: TCP port of the bootstrap endpoint decode daemons connect to (0: any free port)", ge=0, le=65535)
-    ] = 8998
+    ] = 18998
     protocol: Annotated[Protocol, _doc("transfer engine protocol; the pool's memory must suit it")] = "tcp"
     rdma_devices: Annotated[str, _doc("rdma: comma-separated device filter passed to the transfer engine (empty: all)")] = ""
     device: Annotated[

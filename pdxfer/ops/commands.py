@@ -137,7 +137,7 @@ def add_commands(sub) -> None:
         "Writes in flight from healthy prefills fail too: their rooms fail and their engines may retry.",
         "print {\"peers\": [...]} of the matching peers",
     )
-    peer.add_argument("peer", metavar="P", help="part of the peer's address or name, e.g. 10.0.0.5:8998")
+    peer.add_argument("peer", metavar="P", help="part of the peer's address or name, e.g. 10.0.0.5:18998")
     peer.add_argument("--drain", action="store_true", help="operator action: no new rooms with the matching peers (needs --admin-writes)")
     peer.add_argument("--cut", action="store_true", help="operator action on a decode daemon: replace its transfer sessions and fence every fence-pending room (needs --admin-writes)")
 
@@ -179,7 +179,7 @@ def add_commands(sub) -> None:
                         help="transfer protocol the daemon will use (default: $PDXFER_PROTOCOL, else tcp)")
     doctor.add_argument("--device", metavar="DEV", help="cpu, cuda:N or npu:N, as for pdxfer serve (default: $PDXFER_DEVICE, else cpu)")
     doctor.add_argument("--host", metavar="ADDR", help="address the daemon binds (default: $PDXFER_HOST, else 127.0.0.1)")
-    doctor.add_argument("--bootstrap-port", type=int, metavar="PORT", help="prefill bootstrap port to check is free (default: $PDXFER_BOOTSTRAP_PORT, else 8998)")
+    doctor.add_argument("--bootstrap-port", type=int, metavar="PORT", help="prefill bootstrap port to check is free (default: $PDXFER_BOOTSTRAP_PORT, else 18998)")
     doctor.add_argument("--http-port", type=int, metavar="PORT", help="metrics/health port to check is free; 0: off (default: $PDXFER_HTTP_PORT, else 0)")
     doctor.add_argument("--rdma-devices", metavar="LIST", help="rdma: the comma-separated device filter the daemon will use (default: $PDXFER_RDMA_DEVICES)")
     doctor.add_argument("--pool-bytes", type=_size, default=1 << 30, metavar="SIZE",
