@@ -73,8 +73,10 @@ LAYERS: dict[str, Rule] = {
     # The engine's library: never the daemon, a role or a transport.
     "client": rule("core.* wire.sockets wire.batch host.memory", "msgspec numpy zmq torch"),
     # Engine adapters run in the engine's process beside the client: the engine's
-    # library and the pure core, never the daemon, a role or a transport.
-    "adapters": rule("client core.* adapters.*"),
+    # library and the pure core, never the daemon, a role or a transport; the engine
+    # itself (the user's installation); and host.memory, whose naming of shared memory
+    # the CPU KV an adapter moves there shares, so that the orphan sweep finds it.
+    "adapters": rule("client core.* host.memory adapters.*", "sglang torch numpy msgspec"),
     # The package's face: the engine's API, imported on first use.
     "__init__": rule("client core.*"),
     "__main__": rule("cli"),
@@ -267,6 +269,8 @@ def test_the_table_catches_a_forbidden_import(tmp_path):
         "tools/sim.py": "import importlib\nfrom ..daemon import server\nimport mooncake\nimportlib.import_module('pdxfer.cli')\nfrom .. import cli\n",
         "cli.py": "def main():\n    from .tools import sim\n",
         "gadgets/__init__.py": "",
+        "adapters/__init__.py": "",
+        "adapters/engine.py": "import sglang\nfrom ..client import Client\nfrom ..roles import base\n",
     }
     root = tmp_path / "pdxfer"
     for relative, source in files.items():
@@ -274,6 +278,7 @@ def test_the_table_catches_a_forbidden_import(tmp_path):
         (root / relative).write_text(source)
     assert sorted(violations(root, LAYERS)) == sorted([
         "pdxfer/gadgets/__init__.py: pdxfer.gadgets is in no layer of the table: give its subpackage a row",
+        "pdxfer/adapters/engine.py:3: adapters imports pdxfer.roles.base",  # an adapter speaks to the daemon as an engine
         "pdxfer/core/rooms.py:1: core imports asyncio, which its row bans",
         "pdxfer/core/rooms.py:6: core imports pdxfer.daemon.server",  # inside a function counts too
         "pdxfer/core/plan.py:3: core imports the library zmq",

@@ -134,17 +134,8 @@ class SharedMemory:
 
     @classmethod
     def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
-        sweep_orphans((prefix,))
-        room = room_for_pools()
-        if size > room:  # refused now: a pool faulted in past this ends in SIGBUS or the OOM killer
-            raise InsufficientCapacity(
-                f"a {size}-byte pool does not fit in shared memory: {room} bytes left "
-                f"({SHM_DIR} free space or the memory available, whichever is less)"
-            )
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        name, fd = new_file(size, prefix)
         try:
-            os.ftruncate(fd, size)
             mapping = _map(fd, size)
             identity = _identity(os.fstat(fd))
         finally:
@@ -207,6 +198,28 @@ def same_memory(handle: MemoryHandle, mapping) -> bool:
         return _identity(os.stat(os.path.join(SHM_DIR, handle.name))) == mapping.identity
     except OSError:
         return False
+
+
+def new_file(size: int, prefix: str) -> tuple[str, int]:
+    """A new shared-memory file of ``size`` bytes, named ``PREFIX-PID-HEX`` (so that
+    find_orphans sees it once this process is gone), and its open descriptor. Orphans
+    of ``prefix`` are swept first; a size that does not fit is refused."""
+    sweep_orphans((prefix,))
+    room = room_for_pools()
+    if size > room:  # refused now: a pool faulted in past this ends in SIGBUS or the OOM killer
+        raise InsufficientCapacity(
+            f"a {size}-byte pool does not fit in shared memory: {room} bytes left "
+            f"({SHM_DIR} free space or the memory available, whichever is less)"
+        )
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(os.path.join(SHM_DIR, name))
+        raise
+    return name, fd
 
 
 def available_memory() -> int | None:
