@@ -1,0 +1,7 @@
+"""pdxfer as an SGLang PD transfer backend (``--disaggregation-transfer-backend pdxfer``).
+
+SGLang loads ``plugin.register`` through its ``sglang.srt.plugins`` entry point (the
+``pdxfer[sglang]`` extra); ``conn`` holds the backend's classes, ``layout`` turns SGLang's
+KV description into a pdxfer registration, ``shm`` moves CPU KV into shared memory the
+daemon can map. ENGINES.md §1-§3 and §7.B are the design.
+"""

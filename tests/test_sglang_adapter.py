@@ -1,0 +1,221 @@
+"""The SGLang adapter's SGLang-free parts (pdxfer.adapters.sglang.layout and .link),
+with SGLang's real shapes: the KVArgs a 2-layer Llama with 2 KV heads of 64 gives its
+manager (tests/engines/model.py; the values a real engine dumped, tests/engines), and a
+room between two live daemons driven through the links exactly as the backend's classes
+drive them (ENGINES.md B3, B5, B6). The engines themselves are tests/engines'."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdxfer.adapters.sglang.layout import registration
+from pdxfer.adapters.sglang.link import Link, Rows, daemon_endpoint
+from pdxfer.adapters.shm import Place, locate, rehome
+from pdxfer.core.errors import Unsupported
+from pdxfer.core.protocol import Heads, KVPacking, KVRegion, PageOrder, Rank, RegionKind, Role, RoomState, ShmHandle
+from pdxfer.ops.inspection import daemon_counters
+
+from .conftest import needs_mooncake
+
+PAGE_SIZE, HEADS, HEAD_DIM, LAYERS = 16, 2, 64, 2
+PAGE_BYTES = PAGE_SIZE * HEADS * HEAD_DIM * 4  # float32: 8192, as SGLang's kv_item_lens
+# SGLang allocates each layer's K and V as the halves of one tensor, padded to whole
+# pages: the pool of 16,384 tokens has 1,025 pages (the first is SGLang's padding page).
+PAGES = 1025
+HALF = PAGES * PAGE_BYTES
+
+
+def sglang_kvargs(base: int = 0x7F0000000000) -> tuple[list[int], list[int], list[int]]:
+    """kv_data_ptrs, kv_data_lens, kv_item_lens as SGLang lists them: K of each layer, then V."""
+    k = [base + layer * 2 * HALF for layer in range(LAYERS)]
+    return k + [p + HALF for p in k], [HALF] * 4, [PAGE_BYTES] * 4
+
+
+def fused_files(base: int = 0x7F0000000000):
+    """locate() for sglang_kvargs: one file per layer, K at 0 and V at HALF."""
+
+    def where(address: int) -> Place | None:
+        layer, offset = divmod(address - base, 2 * HALF)
+        return Place(f"pdxfer-kv-1-l{layer}", offset, 2 * HALF) if 0 <= layer < LAYERS else None
+
+    return where
+
+
+def test_sglang_kv_is_one_buffer_per_layer_with_a_k_and_a_v_region():
+    reg = registration(*sglang_kvargs(), page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
+                       heads_local=2, heads_total=2, mla=False, locate=fused_files())
+    assert reg.buffers == [ShmHandle(name="pdxfer-kv-1-l0", size=2 * HALF), ShmHandle(name="pdxfer-kv-1-l1", size=2 * HALF)]
+    assert reg.regions == [
+        KVRegion(buffer=0, offset=0, page_bytes=PAGE_BYTES, num_pages=PAGES, layer=0, kind=RegionKind.K),
+        KVRegion(buffer=1, offset=0, page_bytes=PAGE_BYTES, num_pages=PAGES, layer=1, kind=RegionKind.K),
+        KVRegion(buffer=0, offset=HALF, page_bytes=PAGE_BYTES, num_pages=PAGES, layer=0, kind=RegionKind.V),
+        KVRegion(buffer=1, offset=HALF, page_bytes=PAGE_BYTES, num_pages=PAGES, layer=1, kind=RegionKind.V),
+    ]
+    spec = reg.spec
+    assert (spec.page_size, spec.dtype, spec.layers, spec.num_layers_total, spec.mla) == (16, "float32", (0, 2), 2, False)
+    assert spec.heads == Heads(local=2, total=2, bytes_per_token_head=HEAD_DIM * 4)
+    assert (spec.page_order, spec.kv_packing) == (PageOrder.TOKEN_MAJOR, KVPacking.SEPARATE)
+
+
+def test_mla_has_a_latent_region_per_layer_from_the_stage_s_first_layer():
+    """A PP stage holding layers 30-31 of 32 (MLA: one buffer per layer, 576 x bf16 a token)."""
+    item = PAGE_SIZE * 576 * 2
+    reg = registration([0x1000, 0x9000], [item * 4, item * 4], [item, item], page_size=PAGE_SIZE, dtype="bfloat16",
+                       first_layer=30, num_layers_total=32, heads_local=1, heads_total=1, mla=True,
+                       locate=lambda a: Place("latent", a - 0x1000, 1 << 20))
+    assert [(r.layer, r.kind, r.offset, r.num_pages) for r in reg.regions] == [(30, RegionKind.LATENT, 0, 4), (31, RegionKind.LATENT, 0x8000, 4)]
+    assert (reg.spec.layers, reg.spec.heads.bytes_per_token_head, reg.spec.mla) == ((30, 32), 1152, True)
+
+
+def test_memory_the_daemon_cannot_map_is_refused_naming_the_buffer():
+    ptrs, lens, items = sglang_kvargs()
+    with pytest.raises(Unsupported, match=f"KV buffer 2 at {ptrs[2]:#x} is not in shared memory"):
+        registration(ptrs, lens, items, page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
+                     heads_local=2, heads_total=2, mla=False, locate=lambda a: None if a == ptrs[2] else fused_files()(a))
+    with pytest.raises(ValueError, match="run past the end"):
+        registration(ptrs, [HALF + PAGE_BYTES] * 4, items, page_size=PAGE_SIZE, dtype="float32", first_layer=0,
+                     num_layers_total=2, heads_local=2, heads_total=2, mla=False, locate=fused_files())
+
+
+def test_the_daemon_is_found_by_the_endpoint_variable_or_where_pdxfer_serve_puts_it():
+    assert daemon_endpoint("decode", {"PDXFER_ENDPOINT": "tcp://10.0.0.9:7000"}) == "tcp://10.0.0.9:7000"
+    assert daemon_endpoint("prefill", {"PDXFER_RUNTIME_DIR": "/run/p"}) == "ipc:///run/p/prefill.engine.sock"
+    assert daemon_endpoint("decode", {"PDXFER_RUNTIME_DIR": "/run/p", "PDXFER_NAME": "d1"}) == "ipc:///run/p/d1.engine.sock"
+    assert daemon_endpoint("decode", {"XDG_RUNTIME_DIR": "/run/user/5"}) == "ipc:///run/user/5/pdxfer/decode.engine.sock"
+
+
+def metadata_buffers(rows: int = 8):
+    """SGLang's MetadataBuffers shapes (the first four of its ten): rows of 16 int32, 16 float32, 8 uint64."""
+    return [np.zeros((rows, 16), np.int32), np.zeros((rows, 16), np.float32), np.zeros((rows, 8), np.uint64)]
+
+
+def as_rows(buffers) -> Rows:
+    return Rows([b.ctypes.data for b in buffers], [b[0].nbytes for b in buffers])
+
+
+def test_an_aux_record_is_a_room_s_row_of_every_buffer_end_to_end():
+    src, dst = metadata_buffers(), metadata_buffers()
+    src[0][5, 0], src[1][5, :] = 1734, 0.25
+    src[2][5, 0] = 2**63 + 7  # the bootstrap_room row SGLang's gate reads
+    record = np.zeros(as_rows(src).record_bytes, np.uint8)
+    as_rows(src).gather(5, record.ctypes.data)
+    assert record.nbytes == 64 + 64 + 64 and record[:4].view(np.int32)[0] == 1734
+    as_rows(dst).scatter(2, record.tobytes())
+    assert dst[0][2, 0] == 1734 and (dst[1][2] == 0.25).all() and dst[2][2, 0] == 2**63 + 7
+    assert not dst[0][[0, 1, 3, 4, 5, 6, 7]].any()  # only the row named
+    with pytest.raises(ValueError, match="an aux record of 10 bytes"):
+        as_rows(dst).scatter(0, b"x" * 10)
+
+
+class Engine:
+    """One side's SGLang-shaped memory (per layer a fused K|V tensor, in shared memory)
+    and metadata rows, behind a Link."""
+
+    def __init__(self, daemon, role: Role, pages: int = 32):
+        import torch
+
+        fused = [torch.zeros((2, pages * PAGE_SIZE, HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+        self.k = [f[0] for f in fused]
+        self.v = [f[1] for f in fused]
+        rehome([*self.k, *self.v])
+        tensors = [*self.k, *self.v]
+        kv = registration([t.data_ptr() for t in tensors], [t.nbytes for t in tensors], [PAGE_BYTES] * 4, page_size=PAGE_SIZE,
+                          dtype="float32", first_layer=0, num_layers_total=LAYERS, heads_local=HEADS, heads_total=HEADS,
+                          mla=False, locate=locate)
+        self.meta = metadata_buffers()
+        self.link = Link(daemon.engine, engine_id=f"test-{role.value}", role=role, rank=Rank(), sizes=Rank(dp=1, pp=1, tp=1, cp=1),
+                         device="cpu", kv=kv, rows=as_rows(self.meta), aux_slots=16)
+        self.link.open()
+
+    def page(self, p: int):
+        return [t[p * PAGE_SIZE : (p + 1) * PAGE_SIZE] for t in (*self.k, *self.v)]
+
+
+@needs_mooncake
+def test_a_room_through_the_links_as_the_backend_drives_it(daemons):
+    """Announce, the decode's request with a 2-page prefix, WaitingForInput with the
+    decode's positions, two chunks in SGLang's coordinates, the metadata row back in the
+    decode's rows; and polls that ask the daemon nothing (B6)."""
+    import torch
+
+    prefill_daemon, decode_daemon = daemons("prefill"), daemons("decode", "--verify-kv")
+    prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
+    try:
+        room, src, dst = 4242, [3, 4, 5, 6, 7], [20, 21, 22]  # 5 prompt pages; the decode holds the first 2
+        torch.manual_seed(0)
+        for p in src:
+            for t in prefill.page(p):
+                t.copy_(torch.randn_like(t))
+        prefill.meta[0][1, 0], prefill.meta[2][1, 0] = 1734, room
+
+        prefill.link.announce(room)
+        assert prefill.link.status(room).state is RoomState.BOOTSTRAPPING
+        host, port = prefill.link.bootstrap
+        decode.link.expect(room, f"{host}:{port}", dst, skip_pages=2)
+        status = wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        assert (status.pages, status.skip_pages) == (5, 2)
+        # SGLang sends only the pages after the prefix, counting from 0 there.
+        prefill.link.send(room, np.array(src[2:3], np.int32), 2 + 0, last=False)
+        prefill.link.send(room, np.array(src[3:], np.int32), 2 + 1, last=True, num_tokens=5 * PAGE_SIZE - 3, row=1)
+        wait_for(decode.link, room, RoomState.SUCCESS)
+        decode.link.rows.scatter(6, decode.link.record(room))
+
+        for s, d in zip(src[2:], dst):
+            for a, b in zip(prefill.page(s), decode.page(d)):
+                assert torch.equal(a, b)
+        assert decode.meta[0][6, 0] == 1734 and decode.meta[2][6, 0] == room
+        assert wait_for(prefill.link, room, RoomState.SUCCESS).state is RoomState.SUCCESS
+
+        before = [daemon_counters(d.ready["admin"])["engine_messages"] for d in (prefill_daemon, decode_daemon)]
+        for _ in range(1000):
+            prefill.link.status(room), decode.link.status(room)
+        after = [daemon_counters(d.ready["admin"])["engine_messages"] for d in (prefill_daemon, decode_daemon)]
+        assert after == before
+        assert prefill.link.quiet(room) and decode.link.quiet(room)
+        prefill.link.release(room)
+        decode.link.release(room)
+        assert prefill.link.status(room) is None and decode.link.quiet(room)
+    finally:
+        prefill.link.close()
+        decode.link.close()
+
+
+@needs_mooncake
+def test_a_daemon_that_went_away_fails_its_rooms_fenced_and_is_connected_to_again(daemons, runtime_dir):
+    prefill_daemon = daemons("prefill")
+    prefill = Engine(prefill_daemon, Role.PREFILL)
+    try:
+        prefill.link.announce(77)
+        prefill_daemon.proc.kill()
+        prefill_daemon.proc.wait()
+        status = wait_for(prefill.link, 77, RoomState.FAILED)
+        assert status.fenced and "went away" in status.reason
+        again = daemons("prefill")  # the same name and runtime directory: the same endpoint
+        assert again.engine == prefill_daemon.engine
+        wait_until(lambda: reconnected(prefill.link, 78))
+        assert prefill.link.status(78).state is RoomState.BOOTSTRAPPING
+    finally:
+        prefill.link.close()
+
+
+def reconnected(link: Link, room: int) -> bool:
+    try:
+        link.announce(room)
+        return True
+    except Exception:
+        return False
+
+
+def wait_until(condition, seconds: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def wait_for(link: Link, room: int, state: RoomState):
+    wait_until(lambda: (s := link.status(room)) is not None and s.state is state)
+    return link.status(room)
