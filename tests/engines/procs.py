@@ -43,8 +43,13 @@ class Worker:
     waits for the engine to come up; `submit` and `result` split a call, so a test
     can have two engines working at once."""
 
-    def __init__(self, name: str, module: str, workdir: str, env: dict[str, str]):
+    def __init__(self, name: str, module: str, workdir: str, env: dict[str, str],
+                 shm_leaks: tuple[str, ...] = ()):
         self.name = name
+        # /dev/shm name prefixes the engine creates and does not unlink: what appears
+        # under them while the worker lives is removed once its processes are gone.
+        self.shm_leaks = shm_leaks
+        self.shm_before: set[str] = set()
         self.module = module
         # Socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
         self.socket_dir = tempfile.mkdtemp(prefix="pdxw-")
@@ -56,6 +61,7 @@ class Worker:
         self.info: object = None
 
     def start(self) -> None:
+        self.shm_before = _shm_names(self.shm_leaks)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, self.socket_path],
@@ -111,8 +117,10 @@ class Worker:
         return self.result(timeout, f"running {op}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Ask the worker to shut its engine down; kill its process group past
-        ``timeout`` (an engine's own subprocesses are in that group)."""
+        """Ask the worker to shut its engine down and wait for its whole process
+        group (the engine's subprocesses and multiprocessing's resource tracker,
+        which unlinks shared memory they leave) to end; past ``timeout``, SIGTERM,
+        then SIGKILL."""
         if self.proc is None:
             return
         if self.conn is not None and self.proc.poll() is None:
@@ -120,19 +128,57 @@ class Worker:
                 self.conn.send(("shutdown", {}))
             except OSError:
                 pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        # The worker's own session: whatever it left behind goes with it.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        deadline = time.monotonic() + timeout
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                _signal_group(self.proc.pid, sig)
+                deadline = time.monotonic() + 5.0
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader, or the group stays alive
+                time.sleep(0.1)
+            if not _group_alive(self.proc.pid):
+                break
         self.proc.wait()
         if self.conn is not None:
             self.conn.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if not _group_alive(self.proc.pid):
+            for name in _shm_names(self.shm_leaks) - self.shm_before:
+                _unlink_unused(os.path.join(SHM_DIR, name))
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_names(prefixes: tuple[str, ...]) -> set[str]:
+    if not prefixes or not os.path.isdir(SHM_DIR):
+        return set()
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)}
+
+
+def _unlink_unused(path: str) -> None:
+    """Unlink ``path`` unless a process holds it open or mapped (another engine's)."""
+    if shutil.which("fuser") and subprocess.run(["fuser", "-s", path]).returncode == 0:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def serve(setup: Callable[[], tuple[object, object]], ops: dict[str, Callable[..., object]],

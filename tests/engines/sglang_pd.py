@@ -126,7 +126,9 @@ def engine_env(workdir: str, plugins: Sequence[str], extra_plugins: dict[str, st
 def _worker(name: str, workdir: str, model_dir: str, engine_args: dict, env: dict[str, str]) -> Worker:
     args = {"model_path": model_dir, **ENGINE_ARGS, "port": free_port(), **engine_args}
     env = {**env, ENGINE_ARGS_ENV: json.dumps(args)}
-    return Worker(name, "tests.engines.sglang_worker", workdir, env)
+    # SGLang kills its own subprocesses with SIGKILL and so leaves its load-snapshot
+    # files behind (its stale_shm_cleanup says as much).
+    return Worker(name, "tests.engines.sglang_worker", workdir, env, shm_leaks=("sglang_loads_",))
 
 
 def _sampling(req: Request) -> dict:
