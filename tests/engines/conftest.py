@@ -20,8 +20,9 @@ from tests.engines.prompts import standard_waves
 ENGINE_TESTS_ENV = "PDXFER_ENGINE_TESTS"
 ENGINE_TESTS = os.environ.get(ENGINE_TESTS_ENV) == "1"
 
-# One engine start costs 10-30 s on 2 cores: a test gives each engine this long.
-ENGINE_TEST_TIMEOUT = 900
+# A test's fixtures may start two engines one after the other and wait for two waves
+# (sglang_pd.START_TIMEOUT, GENERATE_TIMEOUT).
+ENGINE_TEST_TIMEOUT = 1500
 
 
 def _require(module: str) -> None:

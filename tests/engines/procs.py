@@ -21,21 +21,26 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LOG_TAIL_CHARS = 6000
+LOG_TAIL_LINES = 60
+LOG_LINE_WIDTH = 300
 
 
 class WorkerError(RuntimeError):
     """A worker died, timed out or raised; the message ends with its log's tail."""
 
 
-def log_tail(path: str, chars: int = LOG_TAIL_CHARS) -> str:
+def log_tail(path: str, lines: int = LOG_TAIL_LINES, width: int = LOG_LINE_WIDTH) -> str:
+    """The last ``lines`` lines of a log, each cut to ``width`` characters (SGLang
+    logs its whole server_args on one line of 10,000)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - chars))
-            return f.read().decode(errors="replace")
+            f.seek(max(0, f.tell() - 256 * 1024))
+            text = f.read().decode(errors="replace")
     except OSError as exc:
         return f"(no log: {exc})"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(line if len(line) <= width else line[:width] + " [...]" for line in tail)
 
 
 class Worker:

@@ -19,8 +19,8 @@ from tests.engines.prompts import Request
 from tests.engines.vllm_worker import ENGINE_ARGS_ENV
 
 BLOCK_SIZE = 32
-START_TIMEOUT = 240.0
-GENERATE_TIMEOUT = 240.0
+START_TIMEOUT = 420.0  # as sglang_pd
+GENERATE_TIMEOUT = 300.0
 
 ENGINE_ARGS = {
     "skip_tokenizer_init": True,
