@@ -8,33 +8,27 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+from pdxfer.adapters.vllm import params
+from tests.engines.vllm_engines import BLOCK_SIZE as BS
 
-from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
-
-from pdxfer.adapters.vllm import params  # noqa: E402
-from pdxfer.adapters.vllm.metadata import Receive, Transmit  # noqa: E402
-
-from . import vllm_kit as kit  # noqa: E402
-
-BS = kit.BLOCK_SIZE
 PREFILL_BOOTSTRAP = "10.0.0.1:18998"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return kit.write_model(tmp_path_factory.mktemp("tiny-llama"))
+def kit(needs_vllm):
+    from tests.engines import vllm_kit
+
+    return vllm_kit
 
 
 @pytest.fixture(scope="module")
-def configs(model):
+def configs(kit, model_dir):
     """VllmConfig by (role, failure policy): building one takes seconds, a Scheduler none."""
     made = {}
 
     def get(role: str, policy: str = "fail"):
         if (role, policy) not in made:
-            made[role, policy] = kit.vllm_config(model, role, policy, extra={"bootstrap": PREFILL_BOOTSTRAP} if role == "kv_producer" else None)
+            made[role, policy] = kit.vllm_config(model_dir, role, policy, extra={"bootstrap": PREFILL_BOOTSTRAP} if role == "kv_producer" else None)
         return made[role, policy]
 
     return get
@@ -55,8 +49,10 @@ def ref_counts(s, block_ids) -> list[int]:
 
 def step(s, **report):
     """One engine step: schedule, then the model runner's output with the worker's ``report``."""
+    from tests.engines.vllm_kit import runner_output
+
     out = s.schedule()
-    return out, s.update_from_output(out, kit.runner_output(out, **report))
+    return out, s.update_from_output(out, runner_output(out, **report))
 
 
 def received(s, req) -> None:
@@ -65,7 +61,7 @@ def received(s, req) -> None:
     step(s, finished_recving={req.request_id})
 
 
-def test_c3_remote_prefill_receives_the_prompt_then_computes_only_its_last_token(configs):
+def test_c3_remote_prefill_receives_the_prompt_then_computes_only_its_last_token(kit, configs):
     s = kit.scheduler(configs("kv_consumer"))
     a = kit.request(range(100, 140), from_prefill(7))
     s.add_request(a)
@@ -73,9 +69,9 @@ def test_c3_remote_prefill_receives_the_prompt_then_computes_only_its_last_token
     assert s.connector.get_num_new_matched_tokens(a, 0) == (40, True)  # side-effect free: asked again, same answer
 
     out = s.schedule()
-    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS and out.total_num_scheduled_tokens == 0
+    assert a.status is kit.RequestStatus.WAITING_FOR_REMOTE_KVS and out.total_num_scheduled_tokens == 0
     meta = out.kv_connector_metadata
-    assert meta.receives == [Receive(req_id=a.request_id, room=7, bootstrap=PREFILL_BOOTSTRAP, engine="prefill-engine",
+    assert meta.receives == [kit.Receive(req_id=a.request_id, room=7, bootstrap=PREFILL_BOOTSTRAP, engine="prefill-engine",
                                      pages=tuple(blocks_of(s, a)[:2]), skip_pages=0)]
     assert meta.idle and meta.sends == meta.aborts == meta.cancels == []
     s.update_from_output(out, kit.runner_output(out))
@@ -88,7 +84,7 @@ def test_c3_remote_prefill_receives_the_prompt_then_computes_only_its_last_token
     assert not out.kv_connector_metadata.idle and out.kv_connector_metadata.receives == []
 
 
-def test_c3_a_local_prefix_hit_shortens_the_transfer_to_the_blocks_after_it(configs):
+def test_c3_a_local_prefix_hit_shortens_the_transfer_to_the_blocks_after_it(kit, configs):
     s = kit.scheduler(configs("kv_consumer"))
     prefix = list(range(500, 500 + BS))
     a = kit.request(prefix + list(range(600, 608)), from_prefill(7))
@@ -100,7 +96,7 @@ def test_c3_a_local_prefix_hit_shortens_the_transfer_to_the_blocks_after_it(conf
     s.add_request(b)
     assert s.connector.get_num_new_matched_tokens(b, BS) == (72 - BS, True)
     out = s.schedule()
-    assert b.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert b.status is kit.RequestStatus.WAITING_FOR_REMOTE_KVS
     shared = blocks_of(s, a)[0]
     assert blocks_of(s, b)[0] == shared  # the hit is a's block
     (receive,) = out.kv_connector_metadata.receives
@@ -108,21 +104,21 @@ def test_c3_a_local_prefix_hit_shortens_the_transfer_to_the_blocks_after_it(conf
     assert shared not in receive.pages  # a room never writes a block another request reads
 
 
-def test_c3_prefill_holds_its_blocks_until_the_send_settled(configs):
+def test_c3_prefill_holds_its_blocks_until_the_send_settled(kit, configs):
     s = kit.scheduler(configs("kv_producer"))
     c = kit.request(range(100, 140), params.for_prefill(9), max_tokens=1)
     s.add_request(c)
     out, outputs = step(s)
     assert out.num_scheduled_tokens == {c.request_id: 40}
     (done,) = outputs[0].outputs
-    assert done.finish_reason is FinishReason.LENGTH
+    assert done.finish_reason is kit.FinishReason.LENGTH
     # what a sequential proxy forwards to the decode (vLLM adds remote_prefill_cached_tokens)
     assert done.kv_transfer_params.items() >= params.for_decode(9, PREFILL_BOOTSTRAP, "kv_producer-engine").items()
     held = blocks_of(s, c)[:2]
     assert ref_counts(s, held) == [1, 1] and s.connector.has_pending_push_work() and s.has_requests()
 
     out, _ = step(s)  # idle, yet the engine steps: the send goes out
-    assert out.kv_connector_metadata.sends == [Transmit(req_id=c.request_id, room=9, pages=tuple(held), num_tokens=40)]
+    assert out.kv_connector_metadata.sends == [kit.Transmit(req_id=c.request_id, room=9, pages=tuple(held), num_tokens=40)]
     assert out.kv_connector_metadata.idle
     step(s)  # not settled yet
     assert ref_counts(s, held) == [1, 1] and s.connector.has_pending_push_work()
@@ -132,7 +128,7 @@ def test_c3_prefill_holds_its_blocks_until_the_send_settled(configs):
     assert not s.connector.has_pending_push_work() and not s.has_requests()
 
 
-def test_c2_a_sequential_proxy_names_no_room_and_a_first_token_eos_still_sends(configs):
+def test_c2_a_sequential_proxy_names_no_room_and_a_first_token_eos_still_sends(kit, configs):
     """NIXL-style: the prefill gets only do_remote_decode; the connector picks the room
     and answers with it. Stopping on EOS at once ends the prompt as surely as max_tokens."""
     s = kit.scheduler(configs("kv_producer"))
@@ -140,20 +136,20 @@ def test_c2_a_sequential_proxy_names_no_room_and_a_first_token_eos_still_sends(c
     s.add_request(d)
     _, outputs = step(s, token=kit.EOS)
     (done,) = outputs[0].outputs
-    assert done.finish_reason is FinishReason.STOP
+    assert done.finish_reason is kit.FinishReason.STOP
     room = done.kv_transfer_params["room"]
     assert 1 <= room < params.PICKED_ROOMS
     assert done.kv_transfer_params.items() >= params.for_decode(room, PREFILL_BOOTSTRAP, "kv_producer-engine").items()
     assert params.read(done.kv_transfer_params) == params.FromPrefill(room=room, bootstrap=PREFILL_BOOTSTRAP, engine="kv_producer-engine")
     out, _ = step(s)
-    assert out.kv_connector_metadata.sends == [Transmit(req_id=d.request_id, room=room, pages=tuple(blocks_of(s, d)[:3]), num_tokens=70)]
+    assert out.kv_connector_metadata.sends == [kit.Transmit(req_id=d.request_id, room=room, pages=tuple(blocks_of(s, d)[:3]), num_tokens=70)]
 
 
-def test_c3_aborts_before_scheduling_ask_nothing_of_the_worker_but_tell_the_decode(configs):
+def test_c3_aborts_before_scheduling_ask_nothing_of_the_worker_but_tell_the_decode(kit, configs):
     decode = kit.scheduler(configs("kv_consumer"))
     e = kit.request(range(100, 140), from_prefill(10))
     decode.add_request(e)
-    decode.finish_requests(e.request_id, RequestStatus.FINISHED_ABORTED)
+    decode.finish_requests(e.request_id, kit.RequestStatus.FINISHED_ABORTED)
     out, _ = step(decode)
     assert out.kv_connector_metadata.receives == out.kv_connector_metadata.cancels == []
     assert not decode.has_requests()
@@ -161,19 +157,19 @@ def test_c3_aborts_before_scheduling_ask_nothing_of_the_worker_but_tell_the_deco
     prefill = kit.scheduler(configs("kv_producer"))
     f = kit.request(range(100, 140), params.for_prefill(11), max_tokens=1)
     prefill.add_request(f)
-    prefill.finish_requests(f.request_id, RequestStatus.FINISHED_ABORTED)
+    prefill.finish_requests(f.request_id, kit.RequestStatus.FINISHED_ABORTED)
     out, _ = step(prefill)
     assert out.kv_connector_metadata.aborts == [11]  # the decode's room fails now, not at its timeout
     assert out.kv_connector_metadata.sends == [] and not prefill.connector.has_pending_push_work()
 
 
-def test_c3_a_decode_aborted_while_receiving_keeps_its_blocks_until_the_room_settled(configs):
+def test_c3_a_decode_aborted_while_receiving_keeps_its_blocks_until_the_room_settled(kit, configs):
     s = kit.scheduler(configs("kv_consumer"))
     g = kit.request(range(100, 140), from_prefill(12))
     s.add_request(g)
     step(s)
     held = blocks_of(s, g)[:2]
-    s.finish_requests(g.request_id, RequestStatus.FINISHED_ABORTED)
+    s.finish_requests(g.request_id, kit.RequestStatus.FINISHED_ABORTED)
     out, _ = step(s)
     assert out.kv_connector_metadata.cancels == [g.request_id]
     assert ref_counts(s, held) == [1, 1]  # a write may still land in them
@@ -182,7 +178,7 @@ def test_c3_a_decode_aborted_while_receiving_keeps_its_blocks_until_the_room_set
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_c4_a_failed_room_reports_only_its_own_blocks(configs, policy):
+def test_c4_a_failed_room_reports_only_its_own_blocks(kit, configs, policy):
     """Three requests share a cached prefix block; b's room fails. Reporting b's own
     blocks costs b alone (E2: reporting the shared one would fail all three)."""
     s = kit.scheduler(configs("kv_consumer", policy))
@@ -203,7 +199,7 @@ def test_c4_a_failed_room_reports_only_its_own_blocks(configs, policy):
 
     # the worker half: b's room failed and is fenced, c's landed, both settled this step
     _, outputs = step(s, finished_recving={b.request_id, c.request_id}, invalid_block_ids=own)
-    errored = {o.request_id for o in outputs[0].outputs if o.finish_reason is FinishReason.ERROR} if outputs else set()
+    errored = {o.request_id for o in outputs[0].outputs if o.finish_reason is kit.FinishReason.ERROR} if outputs else set()
     out = s.schedule()
     if policy == "fail":
         assert errored == {b.request_id}

@@ -1,13 +1,11 @@
-"""vLLM without a model for PdxferConnector's tests (ENGINES.md §4 last bullet, §5 E2):
-the tiny Llama configuration both the scheduler tests and the real engines use, vLLM's
-real ``Scheduler`` over a fake one-head KV spec, requests, and a stand-in for the model
-runner's output. Imports vLLM: test modules import this after ``importorskip("vllm")``."""
+"""vLLM without an engine for PdxferConnector's scheduler tests (ENGINES.md §4 last
+bullet, §5 E2): vLLM's real ``Scheduler`` over the tiny model's config and a fake
+one-head KV spec, requests, and a stand-in for the model runner's output. Imports
+vLLM: tests reach it through the ``kit`` fixture, after ``needs_vllm``."""
 
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import torch
 from vllm import SamplingParams
@@ -15,36 +13,27 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import FinishReason  # noqa: F401 (for the tests)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus  # noqa: F401 (RequestStatus for the tests)
 from vllm.v1.structured_output import StructuredOutputManager
 
-BLOCK_SIZE = 32  # the CPU attention backend's block (E3)
+from pdxfer.adapters.vllm.metadata import Receive, Transmit  # noqa: F401 (for the tests)
+from tests.engines.model import CONFIG
+from tests.engines.vllm_engines import BLOCK_SIZE
+
 NUM_BLOCKS = 100
-EOS = 2
-# A 2-layer Llama small enough for a 2-core machine; head_dim 64, as CPU attention wants (E3).
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 1024,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1,
-    "eos_token_id": EOS, "tie_word_embeddings": False,
-}
+EOS = CONFIG["eos_token_id"]
 
 _ids = itertools.count(1)
 init_none_hash(sha256)
 
 
-def write_model(directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return directory
-
-
-def vllm_config(model: Path, kv_role: str, policy: str = "fail", extra: dict | None = None) -> VllmConfig:
+def vllm_config(model: str, kv_role: str, policy: str = "fail", extra: dict | None = None) -> VllmConfig:
     return VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048, is_encoder_decoder=False),
+        model_config=ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="PdxferConnector", kv_connector_module_path="pdxfer.adapters.vllm", kv_role=kv_role,
