@@ -10,22 +10,20 @@ facade over the scheduler half (scheduler.py) and the worker half (worker.py).
 engine's role started with the same environment listens on). ``bootstrap``: on a
 prefill, its daemon's bootstrap address, returned to sequential proxies with each
 request (a parallel proxy knows it already). ``aux_slots``: rooms in flight at once
-(default 1024).
+(default 1024). ``timeout``: seconds a call to the daemon may take (default 30).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...core import config as config_mod
 from ...core.errors import Unsupported
-from ...core.protocol import Role
 from .metadata import PdxferMetadata
 from .scheduler import SchedulerHalf
+from .settings import settings
 
 if TYPE_CHECKING:
     import torch
@@ -38,37 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}
-DEFAULT_AUX_SLOTS = 1024
-
-
-@dataclass(frozen=True)
-class Settings:
-    role: Role
-    engine_id: str
-    daemon: str  # the local daemon's engine endpoint
-    bootstrap: str | None  # prefill: its daemon's bootstrap address, for sequential proxies
-    aux_slots: int
-
-
-def settings(vllm_config: VllmConfig) -> Settings:
-    """The connector's settings, after refusing what it does not support yet, each refusal naming the way out."""
-    kv = vllm_config.kv_transfer_config
-    role = ROLES.get(kv.kv_role)
-    if role is None:
-        raise Unsupported(f"kv_role {kv.kv_role!r}: a pdxfer daemon serves one role; run the engine as kv_producer (prefill) or kv_consumer (decode)")
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise Unsupported(
-            f"tensor_parallel_size {parallel.tensor_parallel_size}, pipeline_parallel_size {parallel.pipeline_parallel_size}: "
-            "PdxferConnector moves TP1, PP1 engines so far (ENGINES.md §7.D step 3); multi-rank engines come with per-rank legs"
-        )
-    if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
-        raise Unsupported("MLA models: PdxferConnector registers head-major (LBHNC) KV only so far")
-    extra = kv.kv_connector_extra_config
-    daemon = extra.get("daemon") or config_mod.load({"role": role.value}).engine_address
-    aux_slots = int(extra.get("aux_slots", DEFAULT_AUX_SLOTS))
-    return Settings(role=role, engine_id=kv.engine_id, daemon=daemon, bootstrap=extra.get("bootstrap"), aux_slots=aux_slots)
+    from .worker import WorkerHalf
 
 
 class PdxferConnector(KVConnectorBase_V1):
@@ -80,11 +48,13 @@ class PdxferConnector(KVConnectorBase_V1):
             raise Unsupported("models with several KV cache groups (sliding window, hybrid): PdxferConnector moves one full-attention group so far")
         self.settings = settings(vllm_config)
         self._scheduler: SchedulerHalf | None = None
-        self._worker = None
+        self._worker: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(vllm_config.cache_config.block_size, self.settings.engine_id, self.settings.bootstrap)
         else:
-            raise Unsupported("PdxferConnector's worker half comes with pdxfer protocol v4 (register_kv, expect with skip_pages)")
+            from .worker import WorkerHalf  # the worker's process alone talks to a daemon
+
+            self._worker = WorkerHalf(self.settings, vllm_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 CONNECT_TIMEOUT = 10.0
+# vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); one the
+# proxy reused at that moment would fail its request ("Server disconnected"), so idle
+# connections are dropped well before.
+KEEPALIVE = 3.0
 MAX_BODY = 64 * 1024 * 1024  # prompts of token ids can be large
 
 
@@ -68,7 +72,8 @@ class Proxy:
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port); the port it serves on."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
+                                              connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE))
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
