@@ -141,9 +141,13 @@ def pd(needs_vllm, model_dir, tmp_path_factory):
         yield deployment
     finally:
         for thing in reversed(started):
-            if isinstance(thing, subprocess.Popen):
+            if isinstance(thing, subprocess.Popen):  # a proxy: its requests in flight may not end on SIGTERM
                 thing.terminate()
-                thing.wait(30)
+                try:
+                    thing.wait(10)
+                except subprocess.TimeoutExpired:
+                    thing.kill()
+                    thing.wait()
             elif not isinstance(thing, DaemonProcess):
                 thing.stop()
         # test_a10 replaces the prefill daemon
