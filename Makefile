@@ -52,7 +52,7 @@ system-deps:
 
 $(STAMP): pyproject.toml requirements/pins.txt | system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c requirements/pins.txt -e '.[$(MOONCAKE_EXTRA),torch,test]'
+	$(PY) -m pip install -q -c requirements/pins.txt -e '.[$(MOONCAKE_EXTRA),torch,proxy,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

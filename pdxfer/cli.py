@@ -64,6 +64,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from .adapters.vllm.proxy import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdxfer",
@@ -124,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_soak_arguments(soak)
     soak.set_defaults(func=cmd_soak)
+
+    from .adapters.vllm.proxy import DESCRIPTION as PROXY_DESCRIPTION, add_arguments as add_proxy_arguments
+
+    proxy = sub.add_parser(
+        "proxy",
+        help="route OpenAI requests to a prefill and a decode vLLM engine that move KV through pdxfer",
+        description=PROXY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_proxy_arguments(proxy)
+    proxy.set_defaults(func=cmd_proxy)
 
     # Operator commands: rooms, room, peers, peer, slots, top (ops/inspection.py, ops/top.py) and doctor
     # (ops/doctor.py); their flags live in ops/commands.py, the commands load when run.

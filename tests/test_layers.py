@@ -77,6 +77,14 @@ LAYERS: dict[str, Rule] = {
     # itself (the user's installation); and host.memory, whose naming of shared memory
     # the CPU KV an adapter moves there shares, so that the orphan sweep finds it.
     "adapters": rule("client core.* host.memory adapters.*", "sglang torch numpy msgspec"),
+    # vLLM's connector: vLLM and torch too, and the engine library's shared memory
+    # (host.memory), where the CPU KV cache moves so that the daemon can map it.
+    "adapters.vllm": rule("client core.* host.memory adapters.cuda adapters.vllm.*", "vllm torch numpy"),
+    # The request params are shared with the proxy, which runs without vLLM installed:
+    # `pdxfer proxy`'s face (its flags, loaded by cli) and its aiohttp server, loaded when it runs.
+    "adapters.vllm.params": rule(""),
+    "adapters.vllm.proxy": rule("adapters.vllm.routing"),
+    "adapters.vllm.routing": rule("adapters.vllm.params", "aiohttp"),
     # The package's face: the engine's API, imported on first use.
     "__init__": rule("client core.*"),
     "__main__": rule("cli"),

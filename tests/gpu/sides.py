@@ -156,6 +156,35 @@ def _engine(conn, shape: str) -> None:
     conn.send(("checked", back))
 
 
+def vllm_registered_engine(conn) -> None:
+    """vLLM-shaped layer views, filled with pattern(i) per layer, registered as
+    PdxferConnector's worker registers them: the buffers and, per layer region, where
+    its pages lie (as Placements, for the daemon side)."""
+    try:
+        import torch
+
+        from pdxfer.adapters.cuda import Placement
+        from pdxfer.adapters.vllm.registration import register
+
+        _, kv = vllm_shaped(torch)
+        for i, tensor in enumerate(kv):
+            span = byte_span(torch, tensor)
+            span.copy_(torch.from_numpy(pattern(i, span.numel())))
+        torch.cuda.synchronize()
+        heads, head_dim = kv[0].shape[1], kv[0].shape[3] // 2
+        reg = register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)}, lambda name: int(name.split(".")[2]),
+                       len(kv), heads, head_dim)
+        _, exported = export_tensors(kv)
+        places = [Placement(r.buffer, r.offset, r.num_pages * r.page_bytes) for r in reg.regions]
+        conn.send(("registered", reg.buffers, places, {"device": reg.device, "exported": exported, "spec": reg.spec,
+                                                       "layers": [r.layer for r in reg.regions]}))
+        assert conn.recv() == "check"
+        torch.cuda.synchronize()
+        conn.send(("checked", [_differing(byte_span(torch, t), pattern(DAEMON_SEED + i, t.numel() * t.element_size())) for i, t in enumerate(kv)]))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
 def _differing(span, expected: np.ndarray) -> int:
     return int(np.count_nonzero(span.cpu().numpy() != expected))
 

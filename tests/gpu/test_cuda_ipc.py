@@ -107,3 +107,23 @@ def test_an_exported_storage_the_engine_frees_is_not_handed_to_another_tensor(sp
     (reused,) = engine.answer("freed")
     engine.finish()
     assert reused == {False: True, True: False}
+
+
+def test_c4_vllm_layers_registered_by_the_connector_cross_to_a_daemon_and_back(spawned):
+    """PdxferConnector's registration (adapters/vllm/registration.py) of vLLM's per-layer
+    views of one CUDA storage: one buffer, a region per layer where export_tensors
+    places it, whose pages hold exactly that layer's bytes for a daemon process, and
+    whose writes the engine reads back through its tensors."""
+    engine = spawned(sides.vllm_registered_engine)
+    handles, places, facts = engine.answer("registered")
+    assert facts["device"] == "cuda:0" and len(handles) == 1 and facts["layers"] == [0, 1, 2, 3]
+    assert [(p.buffer, p.offset, p.length) for p in places] == [(e.buffer, e.offset, e.length) for e in facts["exported"]]
+    assert facts["spec"].layers == (0, 4) and facts["spec"].dtype == "bfloat16"
+    daemon = spawned(sides.daemon, handles, places)
+    (checked,) = daemon.answer("checked")
+    assert checked["differing"] == [0, 0, 0, 0]
+    engine.conn.send("check")
+    (back,) = engine.answer("checked")
+    assert back == [0, 0, 0, 0]
+    engine.finish()
+    daemon.finish()
