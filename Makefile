@@ -86,7 +86,7 @@ ENGINES_PYTEST_ARGS ?=
 # The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
 # fails, and nothing may skip; under `make test` the same tests skip.
 test-engines: engines-env
-	PDXFER_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)
+	REQUIRE_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)
 
 engines-env:
 	@flock $(ENGINES_VENV).lock $(MAKE) --no-print-directory $(ENGINES_LOCAL_STAMP)

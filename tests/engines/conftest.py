@@ -2,7 +2,7 @@
 only the engine environment has (`make engines-env`, .venv-engines).
 
 Under plain `make test` (the project's .venv, no engines) those tests skip. Under
-`make test-engines` (PDXFER_ENGINE_TESTS=1) a missing engine fails its tests, and so
+`make test-engines` (REQUIRE_ENGINE_TESTS=1) a missing engine fails its tests, and so
 does any other skip in this directory: that run exists to prove the adapters on real
 engines, and a skip would hide that it proved nothing."""
 
@@ -17,7 +17,8 @@ from tests.engines import sglang_pd, vllm_engines
 from tests.engines.model import write_model_dir
 from tests.engines.prompts import standard_waves
 
-ENGINE_TESTS_ENV = "PDXFER_ENGINE_TESTS"
+# Not PDXFER_*: pdxfer serve refuses environment variables of its own prefix that it does not know.
+ENGINE_TESTS_ENV = "REQUIRE_ENGINE_TESTS"
 ENGINE_TESTS = os.environ.get(ENGINE_TESTS_ENV) == "1"
 
 # A test's fixtures may start two engines one after the other and wait for two waves
