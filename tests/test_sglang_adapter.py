@@ -78,10 +78,11 @@ def test_memory_the_daemon_cannot_map_is_refused_naming_the_buffer():
                      num_layers_total=2, heads_local=2, heads_total=2, mla=False, locate=fused_files())
 
 
-def test_the_daemon_is_found_by_the_endpoint_variable_or_where_pdxfer_serve_puts_it():
+def test_the_daemon_is_found_by_the_endpoint_variable_or_as_pdxfer_serve_would_listen():
     assert daemon_endpoint("decode", {"PDXFER_ENDPOINT": "tcp://10.0.0.9:7000"}) == "tcp://10.0.0.9:7000"
     assert daemon_endpoint("prefill", {"PDXFER_RUNTIME_DIR": "/run/p"}) == "ipc:///run/p/prefill.engine.sock"
     assert daemon_endpoint("decode", {"PDXFER_RUNTIME_DIR": "/run/p", "PDXFER_NAME": "d1"}) == "ipc:///run/p/d1.engine.sock"
+    assert daemon_endpoint("decode", {"PDXFER_ENGINE_ENDPOINT": "tcp://127.0.0.1:5555"}) == "tcp://127.0.0.1:5555"
     assert daemon_endpoint("decode", {"XDG_RUNTIME_DIR": "/run/user/5"}) == "ipc:///run/user/5/pdxfer/decode.engine.sock"
 
 

@@ -19,8 +19,7 @@ import time
 from typing import Callable, NamedTuple, Sequence
 
 from ...client import Client, Slot
-from ...core import errors
-from ...core.config import default_runtime_dir
+from ...core import config, errors
 from ...core.protocol import ErrorCode, Rank, Role, RoomState, RoomStatus
 from .layout import Registration
 
@@ -33,12 +32,10 @@ SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not
 
 def daemon_endpoint(role: str, env=os.environ) -> str:
     """Where this rank's daemon listens: $PDXFER_ENDPOINT, else where a daemon of this
-    role puts its engine socket by default ($PDXFER_RUNTIME_DIR, $PDXFER_NAME or the
-    role, as ``pdxfer serve`` reads them)."""
+    role beside it listens, read from the same PDXFER_* settings ``pdxfer serve`` reads."""
     if env.get(ENDPOINT_ENV):
         return env[ENDPOINT_ENV]
-    runtime_dir = env.get("PDXFER_RUNTIME_DIR") or default_runtime_dir(env)
-    return f"ipc://{runtime_dir}/{env.get('PDXFER_NAME') or role}.engine.sock"
+    return config.load({"role": role}, env=env).engine_address
 
 
 class Rows(NamedTuple):

@@ -1,0 +1,112 @@
+"""pdxfer as SGLang's transfer backend, on real engines (issue 28, ENGINES.md B7): a
+prefill ``sgl.Engine`` and a decode ``sgl.Engine`` in processes of their own, each beside
+a pdxfer daemon, against one plain engine given the same prompts; and the same script
+over SGLang's own Mooncake backend, so a failure here is pdxfer's, not the harness's.
+
+Pass means token for token: every request's decode tokens equal the plain engine's. The
+model's tokens depend on the whole prompt (model.py; `prompt_dependence`), so KV that
+arrived wrong, late or not at all shows in them; the decode daemon runs ``--verify-kv``
+besides, so a page that differs fails its room outright."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.tools.launch import start_daemon, stop_all
+from tests.engines import sglang_pd
+from tests.engines.conftest import ENGINE_TEST_TIMEOUT
+from tests.engines.prompts import SAME_LAST_ID, Request, prompt_dependence
+from tests.engines.test_sglang_baseline import mismatches
+from tests.engines.test_sglang_plugin import entry_point
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)
+
+NUM_REQUESTS = 24
+
+
+def acceptance_waves(seed: int = 28) -> list[list[Request]]:
+    """24 requests in two waves, each wave sent at once (its rooms overlap): prompts of
+    3 to 394 ids, most longer than a chunked-prefill step (64) so the prefill sends in
+    chunks, some not page-aligned, two ending in the same id; in the first wave six
+    share a 112-id prefix; the second wave extends first-wave prompts, so the decode's
+    radix cache holds a prefix of each and the prefill sends only the rest."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 1024) for _ in range(n))
+
+    shared = ids(112)
+    lengths = [3, 16, 17, 40, 64, 65, 100, 128, 150, 200, 257, 300]
+    first = [Request(ids(n), rng.randrange(4, 12)) for n in lengths]
+    first += [Request(shared + ids(n), rng.randrange(4, 12)) for n in (1, 9, 16, 33, 70, 150)]
+    first[2] = Request(first[2].input_ids[:-1] + (SAME_LAST_ID,), first[2].max_new_tokens)
+    first[8] = Request(first[8].input_ids[:-1] + (SAME_LAST_ID,), first[8].max_new_tokens)
+    second = [Request(first[i].input_ids + ids(n), rng.randrange(4, 12)) for i, n in ((7, 5), (9, 40), (10, 3), (17, 64))]
+    second += [Request(shared + ids(n), 6) for n in (20, 90)]
+    return [first, second]
+
+
+@pytest.fixture(scope="module")
+def waves24() -> list[list[Request]]:
+    return acceptance_waves()
+
+
+@pytest.fixture(scope="module")
+def reference24(needs_sglang, model_dir, waves24, tmp_path_factory) -> list[list[list[int]]]:
+    return sglang_pd.generate_single(model_dir, str(tmp_path_factory.mktemp("single24")), waves24)
+
+
+def test_the_waves_make_the_comparison_mean_something(reference24, waves24):
+    """24 requests, chunked sends, and prompts ending alike that generate differently."""
+    assert sum(map(len, waves24)) == NUM_REQUESTS
+    assert sum(len(r.input_ids) > 4 * sglang_pd.CHUNKED_PREFILL_SIZE for w in waves24 for r in w) >= 3
+    pairs = prompt_dependence(waves24, reference24)
+    assert pairs and all(ta != tb for _, ta, _, tb in pairs)
+
+
+def test_b7_mooncake_baseline_on_the_same_waves(needs_sglang, model_dir, waves24, reference24, tmp_path):
+    run = sglang_pd.generate_pd(model_dir, str(tmp_path), waves24, backend="mooncake")
+    assert mismatches(waves24, reference24, run.tokens) == []
+
+
+def test_b7_pdxfer_pair_matches_single_engine(needs_sglang, model_dir, waves24, reference24, tmp_path):
+    runtime = tmp_path / "pdxfer"
+    runtime.mkdir(mode=0o700)
+    prefill = start_daemon("prefill", str(runtime), stderr=open(tmp_path / "prefill-daemon.log", "w"))
+    decode = start_daemon("decode", str(runtime), "--verify-kv", stderr=open(tmp_path / "decode-daemon.log", "w"))
+    try:
+        run = sglang_pd.generate_pd(
+            model_dir, str(tmp_path / "pd"), waves24, backend="pdxfer", extra_plugins={"pdxfer": entry_point()},
+            prefill_env={"PDXFER_ENDPOINT": prefill.engine}, decode_env={"PDXFER_ENDPOINT": decode.engine},
+        )
+        received = daemon_counters(decode.ready["admin"])
+        sent = daemon_counters(prefill.ready["admin"])
+    finally:
+        assert stop_all([decode, prefill]) == [0, 0]
+
+    assert mismatches(waves24, reference24, run.tokens) == []
+    assert {kv["manager"] for kv in run.kvargs.values()} == {"PdxferKVManager"}
+    # Every room succeeded on both daemons; --verify-kv fails a room whose KV differs.
+    assert (received["rooms_succeeded"], received["rooms_failed"]) == (NUM_REQUESTS, 0)
+    assert (sent["rooms_succeeded"], sent["rooms_failed"]) == (NUM_REQUESTS, 0)
+
+    # What the schedulers asked of the backend: chunked sends, and a prefix the prefill
+    # learnt from the pushed status and did not send.
+    prefixes, chunked, pages_sent = [], 0, 0
+    for wave, rooms in zip(waves24, run.rooms):
+        for req, room in zip(wave, rooms):
+            (prefix,) = [c["prefix_len"] for c in run.calls_for(room, "pop_decode_prefix_len")]
+            sends = run.calls_for(room, "send")
+            assert sum(s["num_kv_tokens"] for s in sends) == len(req.input_ids) - prefix, room
+            prefixes.append(prefix)
+            chunked += len(sends) > 1
+            pages_sent += sum(s["pages"] for s in sends)
+    assert chunked >= 8
+    assert prefixes[:18] == [0] * 18 and all(p > 0 and p % sglang_pd.PAGE_SIZE == 0 for p in prefixes[18:]), prefixes
+    # The decode daemon received exactly those pages (each one page of all four K/V
+    # buffers), and an aux record per room: a 32-byte stamp and the ten metadata rows.
+    kv = run.kvargs["decode-0.json"]
+    assert received["bytes_received"] == pages_sent * sum(kv["kv_item_lens"]) + NUM_REQUESTS * (32 + sum(kv["aux_item_lens"]))
