@@ -83,8 +83,9 @@ def test_sglang_knows_the_backend_after_loading_plugins(needs_sglang, tmp_path):
 
 
 def test_without_the_plugin_sglang_refuses_the_name(needs_sglang, tmp_path):
-    """The control: the choice really comes from the plugin."""
-    env = engine_env(str(tmp_path), ())
+    """The control: the choice really comes from the plugin. make engines-env installs
+    pdxfer, whose entry point SGLang would load, so another plugin alone is allowed."""
+    env = engine_env(str(tmp_path), ("mooncake_cpu",))
     done = subprocess.run(
         [sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()\n"
          "from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES as c; print('pdxfer' in c)"],
