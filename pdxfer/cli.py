@@ -13,6 +13,13 @@ from .core import config as config_mod
 log = logging.getLogger("pdxfer")
 
 
+def _add_tool(sub, name: str, help: str, description: str, add_arguments, func) -> None:
+    """A command whose long --help is its module's text, and whose flags its module adds."""
+    parser = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=func)
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of the options below (env: PDXFER_CONFIG)")
     for name, default, desc in config_mod.fields():
@@ -111,36 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .tools.bench.args import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
 
-    bench = sub.add_parser(
-        "bench",
-        help="measure pdxfer against raw transfer engines and a plain socket on loopback",
-        description=BENCH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    _add_tool(sub, "bench", "measure pdxfer against raw transfer engines and a plain socket on loopback", BENCH_DESCRIPTION, add_bench_arguments, cmd_bench)
 
     from .tools.soak import __doc__ as soak_doc, add_arguments as add_soak_arguments
 
-    soak = sub.add_parser(
-        "soak",
-        help="run rooms for minutes with every fault mixed in; report failures, corruptions and memory",
-        description=soak_doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_soak_arguments(soak)
-    soak.set_defaults(func=cmd_soak)
+    _add_tool(sub, "soak", "run rooms for minutes with every fault mixed in; report failures, corruptions and memory", soak_doc, add_soak_arguments, cmd_soak)
 
     from .adapters.vllm.proxy import DESCRIPTION as PROXY_DESCRIPTION, add_arguments as add_proxy_arguments
 
-    proxy = sub.add_parser(
-        "proxy",
-        help="route OpenAI requests to a prefill and a decode vLLM engine that move KV through pdxfer",
-        description=PROXY_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_proxy_arguments(proxy)
-    proxy.set_defaults(func=cmd_proxy)
+    _add_tool(sub, "proxy", "route OpenAI requests to a prefill and a decode vLLM engine that move KV through pdxfer", PROXY_DESCRIPTION, add_proxy_arguments, cmd_proxy)
 
     # Operator commands: rooms, room, peers, peer, slots, top (ops/inspection.py, ops/top.py) and doctor
     # (ops/doctor.py); their flags live in ops/commands.py, the commands load when run.
