@@ -117,6 +117,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     heartbeat_misses: Annotated[
         int, _doc("heartbeats a peer may miss before it is declared dead and exactly its rooms fail", ge=1)
     ] = 5
+    expect_batch_ms: Annotated[
+        float, _doc("decode: how long a room's request to a prefill daemon waits for the other local ranks of its engine to expect the room too, so one request carries every rank's legs (A5); it leaves at once when they all have", ge=0)
+    ] = 1.0
     max_rooms_per_peer: Annotated[int, _doc("prefill: rooms one decode daemon may hold here at once; more are refused as busy", ge=1)] = 2048
     cluster_secret_file: Annotated[
         str, _doc("file holding the cluster secret; peers must sign every bootstrap message with it (HMAC-SHA256). Empty: no authentication")

@@ -276,8 +276,9 @@ def _regions_only(these, those, most: int = 8) -> str:
 
 
 class EngineHello(Message, tag="engine_hello"):
-    """First message of an engine connection: who speaks (A1). A daemon serves one rank
-    (step 1 of issue 27): it refuses a role other than its own, CP > 1, and a second rank."""
+    """First message of an engine connection: who speaks (A1). A daemon serves every rank
+    of every engine of its role on its node, each with its own pools, slots and rooms (a
+    lane); it refuses a role other than its own and CP > 1."""
 
     req: ReqId
     version: int
@@ -360,7 +361,9 @@ class Send(Message, tag="send"):
 class Expect(Message, tag="expect"):
     """Decode: receive ``room`` from the prefill daemon at ``bootstrap`` into ``pages``
     (positions skip_pages.. of the room, with room for ``num_draft_tokens`` more) and
-    ``slot``. The first ``skip_pages`` positions (a prefix this side holds) are not sent."""
+    ``slot``. The first ``skip_pages`` positions (a prefix this side holds) are not sent.
+    ``prefill_sizes`` are the prefill engine's TP and PP sizes: with this rank's own,
+    they say which prefill ranks write which heads and layers here (core/topology.py)."""
 
     req: ReqId
     room: RoomId
@@ -371,6 +374,7 @@ class Expect(Message, tag="expect"):
     memory_version: Positive
     num_draft_tokens: Count = 0
     skip_pages: Count = 0
+    prefill_sizes: Rank = ONE_RANK
 
 
 class Poll(Message, tag="poll"):
@@ -472,20 +476,33 @@ EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy, Stats]
 # --- daemon <-> daemon (bootstrap channel)
 
 
-class PeerHello(Message, tag="peer_hello"):
-    """Decode -> prefill, first on a connection and again whenever the decode
-    engine re-registers: where to write and what the pools look like."""
+LegCode = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1, description="a leg's ranks: prefill (pp, tp), decode (pp, tp), 16 bits each")]
 
-    version: int
-    incarnation: str
-    session: str  # transfer engine session id ("host:port"): its first engine's
+
+class LaneInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine rank's memory on a decode daemon (a lane): where a prefill writes its
+    legs. Indexed by ``index``, which room requests name."""
+
+    index: Count
+    rank: Rank
     compat: Compat
-    compat_hash: str
-    region_bases: tuple[Address, ...]  # one per region, in compat.regions order, in this daemon's address space
+    heads_local: Positive
+    layers: tuple[Count, Count]
+    region_bases: tuple[Address, ...]  # one per region, in compat.regions order, in the decode daemon's address space
     num_pages: Positive
     aux_base: Address
     aux_slots: Positive
     memory_version: Positive
+
+
+class PeerHello(Message, tag="peer_hello"):
+    """Decode -> prefill, first on a connection and again whenever a decode engine
+    rank registers: where to write (every lane's pools) and what they look like."""
+
+    version: int
+    incarnation: str
+    session: str  # transfer engine session id ("host:port"): its first engine's
+    lanes: Annotated[tuple[LaneInfo, ...], msgspec.Meta(max_length=1024)]
     name: str = ""  # stable name of the sender (host/instance): a new incarnation under it replaces the old
     probe_base: Address = 0  # 64 scratch bytes a prefill may write to test its transfer session
     verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
@@ -509,16 +526,38 @@ class PeerRefused(Message, tag="peer_refused"):
     reason: str
 
 
-class RoomRequest(Message, tag="room_request"):
-    """Decode -> prefill: please write ``room`` into these pages and this slot."""
+class LegRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One leg of a room request (ENGINES.md §7.A4): what one prefill rank writes into
+    one decode rank's pages. A dummy leg (``real`` false) moves nothing: it lets the
+    prefill rank's status complete. ``head_count`` 0 and ``layers`` (0, 0) mean whole
+    pages and every layer (equal TP and PP)."""
 
-    room: RoomId
-    pages: PageBytes
-    slot: Count
-    generation: Positive
+    leg: LegCode = 0
+    lane: Count = 0  # the decode lane (PeerHello.lanes index) whose pages and slot these are
+    pages: PageBytes = b""
+    slot: Count = 0
+    generation: Count = 0  # 0: the leg carries no aux record
     memory_version: Positive
     num_draft_tokens: Count = 0
     skip_pages: Count = 0  # positions the decode holds already: pages[i] receives position skip_pages + i
+    real: bool = True
+    src_head_start: Count = 0
+    head_count: Count = 0
+    dst_head_start: Count = 0
+    layers: tuple[Count, Count] = (0, 0)
+
+    @property
+    def carries_aux(self) -> bool:
+        return self.generation > 0
+
+
+class RoomRequest(Message, tag="room_request"):
+    """Decode -> prefill: please write ``room``'s legs into these pages and slots. A
+    decode daemon sends one per room per prefill daemon, listing the legs of all its
+    local ranks (A5)."""
+
+    room: RoomId
+    legs: Annotated[tuple[LegRequest, ...], msgspec.Meta(min_length=1, max_length=1024)]
     lease_ms: Count = 0  # the prefill submits no write for this room later than this after it starts writing
     writes_until: float = 0.0  # leave to write, on the prefill's monotonic clock (see Heartbeat); 0: none given
 
@@ -530,6 +569,7 @@ class RoomAccepted(Message, tag="room_accepted"):
 
 class TransferStarted(Message, tag="transfer_started"):
     room: RoomId
+    leg: LegCode = 0
 
 
 class AuxRecord(Message, tag="aux_record"):
@@ -542,6 +582,7 @@ class AuxRecord(Message, tag="aux_record"):
     slot: Count
     generation: Positive
     length: Count
+    leg: LegCode = 0
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
@@ -555,6 +596,18 @@ class RoomAck(Message, tag="room_ack"):
     """Decode -> prefill: the aux stamp verified; the room succeeded."""
 
     room: RoomId
+    leg: LegCode = 0
+
+
+class LegWritten(Message, tag="leg_written"):
+    """Prefill -> decode, for a leg that carries no aux record, after every KV block of
+    it completed: what AuxRecord says of KV for the leg that carries it."""
+
+    room: RoomId
+    leg: LegCode
+    kv_pages: Count = 0
+    kv_digested: bool = False
+    kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
 
 
 class RoomFailed(Message, tag="room_failed"):
@@ -565,6 +618,7 @@ class RoomFailed(Message, tag="room_failed"):
     code: ErrorCode
     reason: str
     fenced: bool = True
+    leg: LegCode = 0
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -594,6 +648,7 @@ class PeerError(Message, tag="peer_error"):
     code: ErrorCode
     message: str
     room: int = 0
+    leg: LegCode = 0
 
 
 PeerMessage = Union[
@@ -604,6 +659,7 @@ PeerMessage = Union[
     RoomAccepted,
     TransferStarted,
     AuxRecord,
+    LegWritten,
     RoomAck,
     RoomFailed,
     Heartbeat,

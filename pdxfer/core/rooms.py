@@ -114,6 +114,7 @@ class Room:
     code: ErrorCode | None = None
     reason: str = ""
     peer: str = ""
+    lane: int = 0  # the engine rank (roles.pools.Lane index) whose memory and slot the room uses
     slot: int = -1
     generation: int = 0
     bytes_planned: int = 0

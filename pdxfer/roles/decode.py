@@ -54,6 +54,9 @@ from ..core.protocol import (
     Expect,
     Heartbeat,
     HeartbeatAck,
+    LaneInfo,
+    LegRequest,
+    LegWritten,
     Message,
     Ok,
     PeerError,
@@ -67,14 +70,14 @@ from ..core.protocol import (
     RoomFailed,
     RoomRequest,
     TransferStarted,
-    compat_hash,
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
 from ..core.stamp import HEADER_BYTES, Stamp, verify
+from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key, room_of
 from ..transport import Peer, primary
 from .base import RoomService
-from .pools import compat
+from .pools import Lane, compat
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
@@ -106,7 +109,7 @@ class PrefillLink:
     session: str = ""
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
-    unfenced: dict[int, tuple[int, int]] = field(default_factory=dict)  # released rooms' (slot, generation) waiting for this prefill
+    unfenced: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # released rooms' (lane, slot, generation) waiting for this prefill
     draining: bool = False
     beat_wall: float = 0.0  # wall clock when the last heartbeat left
     rtt: float = -1.0  # seconds, from the last answered heartbeat
@@ -115,7 +118,7 @@ class PrefillLink:
     # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
     # each was read there before the answer left and here after it arrived.
     offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
-    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset
+    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset, by room id
 
     def clock_sample(self, theirs: float, now: float) -> None:
         if theirs:
@@ -128,15 +131,45 @@ class PrefillLink:
 
 
 @dataclass(eq=False)
+class LegState:
+    """One leg of a decode rank's room (ENGINES.md §7.A4): one prefill rank's part."""
+
+    request: LegRequest
+    landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
+    peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
+    peer_failed: bool = False  # the failure came from that prefill rank: it knows
+
+    @property
+    def whole(self) -> bool:
+        """Whole pages of every layer: what --verify-kv's digest covers."""
+        return self.request.head_count == 0 and self.request.layers == (0, 0)
+
+
+@dataclass(eq=False)
 class DecodeWork:
     engine: bytes
     link: str
     memory_version: int
     pages: np.ndarray
+    legs: dict[int, LegState]  # by leg code
     started: float = 0.0  # when we learnt the prefill began writing
-    peer_fenced: bool = False  # the prefill said it has no write in flight for this room
-    peer_failed: bool = False  # the failure came from the prefill: it knows
     first_check: float = 0.0  # first verification attempt of the aux record
+
+    @property
+    def peer_fenced(self) -> bool:
+        """No prefill rank of the room has a write in flight for it."""
+        return all(leg.peer_fenced for leg in self.legs.values())
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    """A room's legs from the local ranks that expected it so far, before its request
+    leaves for the prefill daemon (A5)."""
+
+    link: PrefillLink
+    lanes: set[int]  # lanes that expected the room
+    legs: list[LegRequest]
+    due: float
 
 
 class DecodeService(RoomService):
@@ -147,6 +180,7 @@ class DecodeService(RoomService):
         self.port: DecodePort = port
         self.links: dict[str, PrefillLink] = {}
         self.work: dict[int, DecodeWork] = {}
+        self.pending: dict[tuple[str, int], PendingRequest] = {}  # (prefill endpoint, room id): legs gathering (A5)
         self.name = f"{config.host}/{config.instance}"  # stable name peers know this daemon by
         self.probe_base = probe_base  # 64 scratch bytes of ours a prefill may write to test its session
         self.engine_release = engine_release  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
@@ -155,7 +189,8 @@ class DecodeService(RoomService):
     # --- engine side
 
     def on_expect(self, identity: bytes, msg: Expect) -> Message:
-        kv, _ = self._kv(), self._aux()
+        lane = self.lane_for(identity)
+        kv, aux = lane.registered_kv(), lane.registered_aux()
         endpoint = self._resolve(msg.bootstrap, msg.room)
         link = self.links.get(endpoint)
         if link is not None and link.draining:
@@ -165,28 +200,94 @@ class DecodeService(RoomService):
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room) from None
         check_pages(dst, kv.num_pages, "destination", msg.room)
-        self.check_local_version(msg.memory_version, msg.room)
-        room = self.rooms.create(msg.room, Role.DECODE, self.clock(), peer=endpoint)
+        self.check_local_version(lane, msg.memory_version, msg.room)
+        legs = self._leg_requests(lane, msg)
+        room = self.rooms.create(room_key(msg.room, lane.code), Role.DECODE, self.clock(), peer=endpoint)
+        room.lane = lane.index
         # What it can receive at most: its pages in every region and a full aux record.
-        room.bytes_planned = dst.size * kv.page_bytes + self._aux().slot_bytes
+        room.bytes_planned = dst.size * kv.page_bytes + aux.slot_bytes
         try:
             self.bind_slot(room, msg.slot, msg.generation)
         except PdxferError:
             self.rooms.remove(room.id)
             raise
-        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy())
+        # A dummy leg writes nothing here: landed and fenced from the start.
+        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real) for leg in legs}
+        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states)
         link = self._link(endpoint)
         link.rooms.add(room.id)
+        self._gather(link, msg.room, lane, legs)
+        return Ok(req=msg.req)
+
+    def _leg_requests(self, lane: Lane, msg: Expect) -> list[LegRequest]:
+        """This rank's legs of the room (core/topology.py): which prefill ranks write
+        which heads and layers into its pages, and which one carries the aux record."""
+        spec = lane.registered_kv().spec
+        prefill_tp, prefill_pp = msg.prefill_sizes.tp or 1, msg.prefill_sizes.pp or 1
+        try:
+            if lane.sizes.tp > prefill_tp:
+                raise errors.Unsupported(
+                    f"decode TP {lane.sizes.tp} above prefill TP {prefill_tp}: one prefill rank writing to several decode "
+                    "ranks (fan-out) is not built yet; run the decode with TP at most the prefill's")
+            expected = spec.heads.total if spec.mla else local_heads(spec.heads.total, lane.sizes.tp)
+            if spec.heads.local != expected:
+                raise errors.BadMessage(
+                    f"{lane.name} registered {spec.heads.local} local KV heads, but {spec.heads.total} heads over TP "
+                    f"{lane.sizes.tp} give each rank {expected}")
+            legs = legs_for_decode_rank(prefill_tp, lane.sizes.tp, spec.heads.total, lane.rank.tp, spec.mla, prefill_pp,
+                                        lane.sizes.pp, num_layers=spec.num_layers_total, decode_stage=lane.rank.pp)
+        except PdxferError as exc:
+            raise PdxferError(exc.message, code=exc.code, room=msg.room) from None
+        prefill_heads = spec.heads.total if spec.mla else local_heads(spec.heads.total, prefill_tp)
+        out = []
+        for leg in legs:
+            whole_heads = leg.head_count == spec.heads.local == prefill_heads
+            whole_layers = (leg.layer_start, leg.layer_end) == (0, spec.num_layers_total)
+            out.append(LegRequest(
+                leg=leg_code(leg), lane=lane.index, pages=msg.pages if leg.real else b"",
+                slot=msg.slot if leg.carries_aux else 0, generation=msg.generation if leg.carries_aux else 0,
+                memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages,
+                real=leg.real, src_head_start=0 if whole_heads else leg.src_head_start,
+                head_count=0 if whole_heads else leg.head_count, dst_head_start=0 if whole_heads else leg.dst_head_start,
+                layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end),
+            ))
+        return out
+
+    def _gather(self, link: PrefillLink, room_id: int, lane: Lane, legs: list[LegRequest]) -> None:
+        """A5: one request per room per prefill daemon, with the legs of every local rank
+        of the engine; it leaves once they all expected the room, or after expect_batch_ms."""
+        key = (link.endpoint, room_id)
+        pending = self.pending.get(key)
+        if pending is None:
+            wait = self.config.expect_batch_ms / 1000
+            self.pending[key] = pending = PendingRequest(link, set(), [], self.clock() + wait)
+            if self._siblings(lane) != {lane.index}:
+                self.port.later(wait, lambda: self._flush(key, pending))
+        pending.lanes.add(lane.index)
+        pending.legs.extend(legs)
+        if pending.lanes >= self._siblings(lane):
+            self._flush(key, pending)
+
+    def _siblings(self, lane: Lane) -> set[int]:
+        """The registered lanes of ``lane``'s engine and DP rank: every one expects each of its rooms."""
+        return {other.index for other in self.lanes
+                if other.ready and other.engine_id == lane.engine_id and other.rank.dp == lane.rank.dp} | {lane.index}
+
+    def _flush(self, key: tuple[str, int], pending: PendingRequest) -> None:
+        if self.pending.get(key) is not pending:
+            return  # sent already
+        del self.pending[key]
+        if not pending.legs:
+            return
+        link, room_id = pending.link, key[1]
         request = RoomRequest(
-            room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
-            num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages, lease_ms=int(self.config.transfer_timeout * 1000),
+            room=room_id, legs=tuple(pending.legs), lease_ms=int(self.config.transfer_timeout * 1000),
             writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
             self.port.send_link(link.endpoint, request)
         else:  # its leave to write needs the prefill's clock: the welcome brings it
-            link.held[room.id] = request
-        return Ok(req=msg.req)
+            link.held[room_id] = request
 
     def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
         """A request held until the link knew the prefill's clock, with its leave to write from now."""
@@ -221,29 +322,30 @@ class DecodeService(RoomService):
         return link
 
     def hello(self) -> PeerHello:
-        kv, aux = self._kv(), self._aux()
-        ours = compat(kv, aux)
         return PeerHello(
             version=PROTOCOL_VERSION,
             incarnation=self.incarnation,
             session=primary(self.sessions),
             sessions=self.sessions,
-            compat=ours,
-            compat_hash=compat_hash(ours),
-            region_bases=kv.bases,
-            num_pages=kv.num_pages,
-            aux_base=aux.memory.address,
-            aux_slots=aux.num_slots,
-            memory_version=kv.version,
+            lanes=tuple(self._lane_info(lane) for lane in self.lanes if lane.ready),
             name=self.name,
             probe_base=self.probe_base,
             verify_kv=self.config.verify_kv,
-            inline_kv_bytes=paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes),
+            inline_kv_bytes=min((paths.inline_kv_limit(lane.kv.kind, self.config.inline_kv_bytes) for lane in self.lanes if lane.ready), default=0),
             engine_release=self.engine_release,
         )
 
+    @staticmethod
+    def _lane_info(lane: Lane) -> LaneInfo:
+        kv, aux = lane.kv, lane.aux
+        return LaneInfo(
+            index=lane.index, rank=lane.rank, compat=compat(kv, aux), heads_local=kv.spec.heads.local,
+            layers=kv.spec.layers, region_bases=kv.bases, num_pages=kv.num_pages, aux_base=aux.memory.address,
+            aux_slots=aux.num_slots, memory_version=kv.version,
+        )
+
     def on_kv_registered(self) -> None:
-        if self.kv is not None and self.aux is not None:
+        if any(lane.ready for lane in self.lanes):
             for endpoint in self.links:
                 self.port.send_link(endpoint, self.hello())
 
