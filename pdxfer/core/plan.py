@@ -7,6 +7,7 @@ array of ``num_pages`` pages of ``page_bytes`` holding one (layer, kind). Both s
 order their regions by (layer, kind) (``canonical``), so with equal compat region i
 of the prefill pairs with region i of the decode whatever order each engine listed
 them in. A run of pages that is contiguous on both sides becomes one block per region.
+Between ranks of different TP a leg moves a slice of each page's heads (``plan_leg_blocks``).
 A pool pdxfer creates (``KVLayout``) is one buffer whose regions ``layout_registration`` names.
 
 Page *positions* count a room's pages from 0; the decode may hold a prefix and skip
