@@ -360,11 +360,11 @@ class _Requests:
             release_when_settled=release_when_settled, first_page=first_page, last=last,
         )
 
-    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages) -> Expect:
+    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes) -> Expect:
         return Expect(
             req=next(self._req) if wait else 0, room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
             generation=slot[1], memory_version=self._kv_version(memory_version), num_draft_tokens=num_draft_tokens,
-            skip_pages=skip_pages,
+            skip_pages=skip_pages, prefill_sizes=prefill_sizes or ONE_RANK,
         )
 
     def _announce(self, room: int, wait: bool) -> Announce:
@@ -530,11 +530,12 @@ class Client(_Requests):
         self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
 
     def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-               *, skip_pages: int = 0, wait: bool = True) -> None:
+               *, skip_pages: int = 0, prefill_sizes: Rank | None = None, wait: bool = True) -> None:
         """Receive a room into ``pages`` (positions skip_pages.. of it: the first
         ``skip_pages`` this side holds already) and ``slot`` from the prefill daemon at
-        ``bootstrap``; ``wait`` as for send()."""
-        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
+        ``bootstrap``, whose engine runs ``prefill_sizes`` (TP, PP; default one rank);
+        ``wait`` as for send()."""
+        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes))
 
     def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:
@@ -770,8 +771,8 @@ class AsyncClient(_Requests):
         await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
 
     async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-                     *, skip_pages: int = 0, wait: bool = True) -> None:
-        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
+                     *, skip_pages: int = 0, prefill_sizes: Rank | None = None, wait: bool = True) -> None:
+        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes))
 
     async def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:

@@ -476,7 +476,7 @@ EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy, Stats]
 # --- daemon <-> daemon (bootstrap channel)
 
 
-LegCode = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1, description="a leg's ranks: prefill (pp, tp), decode (pp, tp), 16 bits each")]
+LegCode = Annotated[int, msgspec.Meta(ge=0, description="a leg's ranks: prefill (pp, tp), decode (pp, tp), 16 bits each")]
 
 
 class LaneInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -582,8 +582,8 @@ class AuxRecord(Message, tag="aux_record"):
     slot: Count
     generation: Positive
     length: Count
-    leg: LegCode = 0
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+    leg: LegCode = 0
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
     kv_pages: Count = 0  # how many of the decode's pages (the first ones) were written in each region
@@ -674,6 +674,7 @@ PeerMessage = Union[
 class RoomInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     room: int
     role: Role
+    lane: int = 0  # the engine rank's lane on this daemon
     state: RoomState
     age: float  # seconds since the room was created
     in_state: float  # seconds in its current state
@@ -703,6 +704,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
 class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     state: str
+    lane: int = 0  # whose aux buffer: the engine rank's lane on this daemon
     room: int
     generation: int
     since: float  # seconds in this state

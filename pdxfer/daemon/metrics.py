@@ -107,7 +107,7 @@ class _Collector:
             rooms.add_metric([state.value], n)
         yield rooms
         slots = GaugeMetricFamily("pdxfer_slots", "Aux slots, by state", labels=["state"])
-        for state, n in (service.aux.slots.counts().items() if service.aux is not None else ()):
+        for state, n in service.slot_counts().items():
             slots.add_metric([state.value], n)
         yield slots
         peers = GaugeMetricFamily("pdxfer_peers", "Peers, by state", labels=["state"])

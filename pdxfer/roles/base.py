@@ -165,7 +165,7 @@ class RoomService:
         if isinstance(msg, Release):
             room = self.rooms.get(self.engine_key(identity, msg.room))
             if not room.finished:
-                raise errors.BadMessage(f"room {room.id} is {room.state.value}; abort it before releasing it", room=room.id)
+                raise errors.BadMessage(f"room {msg.room} is {room.state.value}; abort it before releasing it", room=msg.room)
             self.drop(room)
             return Ok(req=msg.req)
         if isinstance(msg, AllocSlot):

@@ -66,6 +66,7 @@ from ..core.protocol import (
     PeerWelcome,
     Role,
     RoomAccepted,
+    RoomState,
     RoomAck,
     RoomFailed,
     RoomRequest,
@@ -138,6 +139,7 @@ class LegState:
     landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
     peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
     peer_failed: bool = False  # the failure came from that prefill rank: it knows
+    first_check: float = 0.0  # first verification attempt of what landed
 
     @property
     def whole(self) -> bool:
@@ -153,7 +155,6 @@ class DecodeWork:
     pages: np.ndarray
     legs: dict[int, LegState]  # by leg code
     started: float = 0.0  # when we learnt the prefill began writing
-    first_check: float = 0.0  # first verification attempt of the aux record
 
     @property
     def peer_fenced(self) -> bool:
@@ -376,12 +377,12 @@ class DecodeService(RoomService):
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint, extra={"peer": endpoint})
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
-        if isinstance(msg, AuxRecord):  # every room's, so asked first
-            room = self._room_of(link, msg.room)
+        if isinstance(msg, (AuxRecord, LegWritten)):  # every room's, so asked first
+            room = self._room_of(link, msg.room, msg.leg)
             if room is not None:
-                self._aux_record(link, room, msg)
-            else:  # the prefill sends aux only after its writes completed
-                self._confirmed_released(link, msg.room)
+                self._leg_record(link, room, msg)
+            else:  # the prefill sends these only after its writes completed
+                self._confirmed_released(link, msg.room, msg.leg)
             return
         if isinstance(msg, HeartbeatAck):
             now = self.clock()
@@ -405,41 +406,76 @@ class DecodeService(RoomService):
         if isinstance(msg, PeerError):
             self._peer_error(link, msg)
             return
-        room = self._room_of(link, msg.room)
+        if isinstance(msg, RoomAccepted):  # one per request: every local rank's room in it
+            for room in self._requested(link, msg.room):
+                self.advance(room, Event.BOOTSTRAPPED)
+                if msg.input_ready:
+                    self._started(room)
+            return
+        room = self._room_of(link, msg.room, getattr(msg, "leg", 0))
         if room is None:  # released by its engine, or never ours
             if isinstance(msg, RoomFailed) and msg.fenced:
-                self._confirmed_released(link, msg.room)
+                self._confirmed_released(link, msg.room, msg.leg)
             return
-        if isinstance(msg, RoomAccepted):
-            self.advance(room, Event.BOOTSTRAPPED)
-            if msg.input_ready:
-                self._started(room)
-        elif isinstance(msg, TransferStarted):
+        if isinstance(msg, TransferStarted):
             self._started(room)
         elif isinstance(msg, RoomFailed):
             w = self.work[room.id]
-            w.peer_fenced, w.peer_failed = msg.fenced, True
-            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and msg.fenced:
+            leg = w.legs[msg.leg]
+            leg.peer_fenced, leg.peer_failed = msg.fenced, True
+            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and w.peer_fenced:
                 self.fenced(room)
         else:
             raise errors.BadMessage(f"a decode daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
 
-    def _confirmed_released(self, link: PrefillLink, room_id: int) -> None:
-        """The prefill has nothing in flight for a failed room no longer in the table
-        (its engine released it): the room's quarantined slot may go."""
-        held = link.unfenced.pop(room_id, None)
-        if held is not None:
-            self._aux().slots.fence(*held, self.clock())
+    def _confirmed_released(self, link: PrefillLink, room_id: int, leg: int) -> None:
+        """A prefill rank has nothing in flight for a failed room no longer in the table
+        (its engine released it): once every rank of it said so, its quarantined slot may go."""
+        key = room_key(room_id, decode_rank_of(leg))
+        held = link.unfenced.get(key)
+        if held is None:
+            return
+        lane, slot, generation, waiting = held
+        waiting = waiting - {leg}
+        if waiting:
+            link.unfenced[key] = (lane, slot, generation, waiting)
+            return
+        del link.unfenced[key]
+        self._fence_released(lane, slot, generation)
+
+    def _fence_released(self, lane: int, slot: int, generation: int) -> None:
+        aux = self.lanes[lane].aux
+        if aux is not None:
+            aux.slots.fence(slot, generation, self.clock())
+
+    def _unfenced_waiting(self, entry) -> bool:
+        """Whether a released room's slot (link.unfenced) is still quarantined for it."""
+        lane, slot, generation, _ = entry
+        aux = self.lanes[lane].aux
+        return aux is not None and aux.slots.slots[slot].generation == generation and aux.slots.slots[slot].state is SlotState.QUARANTINED
 
     def _started(self, room: Room) -> None:
-        self.advance(room, Event.INPUT_READY)
-        self.work[room.id].started = self.clock()
+        """A prefill rank began writing the room (the first of its legs to)."""
+        if room.state is not RoomState.TRANSFERRING:
+            self.advance(room, Event.INPUT_READY)
+        w = self.work[room.id]
+        w.started = w.started or self.clock()
 
-    def _room_of(self, link: PrefillLink, room_id: int) -> Room | None:
-        room = self.rooms.find(room_id)
-        if room is None or room.peer != link.endpoint:
+    def _room_of(self, link: PrefillLink, room_id: int, leg: int) -> Room | None:
+        """The rank's room a leg of ``room_id`` from this link writes into, if it is ours."""
+        room = self.rooms.find(room_key(room_id, decode_rank_of(leg)))
+        if room is None or room.peer != link.endpoint or leg not in self.work[room.id].legs:
             return None
         return room
+
+    def _requested(self, link: PrefillLink, room_id: int) -> list[Room]:
+        """Every local rank's room of ``room_id`` with this link (one request carried them all)."""
+        rooms = {}
+        for lane in self.lanes:
+            room = self.rooms.find(room_key(room_id, lane.code))
+            if room is not None and room.peer == link.endpoint:
+                rooms[room.id] = room
+        return list(rooms.values())
 
     def _peer_error(self, link: PrefillLink, msg: PeerError) -> None:
         log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message, extra={"room": msg.room or None, "peer": link.endpoint})
@@ -454,7 +490,7 @@ class DecodeService(RoomService):
             self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
             self.port.send_link(link.endpoint, self.hello())
             return
-        room = self._room_of(link, msg.room) if msg.room else None
+        room = self._room_of(link, msg.room, msg.leg) if msg.room else None
         if room is not None:
             self.fail(room, msg.code, f"prefill side: {msg.message}")
 
@@ -462,7 +498,8 @@ class DecodeService(RoomService):
         log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason, extra={"peer": link.endpoint})
         for room_id in list(link.rooms):
             if room_id in self.work:
-                self.work[room_id].peer_fenced = True  # it refused us: it never wrote
+                for leg in self.work[room_id].legs.values():
+                    leg.peer_fenced = True  # it refused us: it never wrote
         self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
         self.port.close_link(link.endpoint)
@@ -497,93 +534,125 @@ class DecodeService(RoomService):
 
     # --- verification
 
-    def _aux_record(self, link: PrefillLink, room: Room, msg: AuxRecord) -> None:
-        aux = self._aux()
+    def _leg_record(self, link: PrefillLink, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """A prefill rank wrote every KV block of its leg (LegWritten), and for the leg that
+        carries it the aux record after them (AuxRecord)."""
         w = self.work[room.id]
-        w.peer_fenced = True  # the prefill sends aux only after its writes completed
+        leg = w.legs[msg.leg]
+        leg.peer_fenced = True  # the prefill sends these only after its writes completed
         if room.finished:
             return
+        if isinstance(msg, AuxRecord) != leg.request.carries_aux:
+            what = "an aux record" if isinstance(msg, AuxRecord) else "no aux record"
+            self.fail(room, ErrorCode.BAD_MESSAGE, f"prefill rank of leg {msg.leg:#x} sent {what}, but the leg that carries it is another")
+            return
+        if isinstance(msg, AuxRecord) and not self._aux_arrived(room, w, msg):
+            return
+        leg.first_check = self.clock()
+        self._check_landed(link.endpoint, room, msg)
+
+    def _aux_arrived(self, room: Room, w: DecodeWork, msg: AuxRecord) -> bool:
+        """The aux record is aimed at the room's own slot; one that travelled here is
+        checked and written. False when that failed the room."""
+        aux = self._aux(room)
         slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
-        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (msg.room, msg.generation):
-            holder = f"room {slot.room} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
+        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (room.id, msg.generation):
+            holder = f"room {room_of(slot.room)} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
             reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"
             self.fail(room, ErrorCode.AUX_STAMP_MISMATCH, reason)
             victim = self.rooms.find(slot.room) if slot is not None and slot.room != room.id else None
             if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
                 self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
-            return
+            return False
         try:
             if not msg.via_transfer_engine:  # the record carries the aux itself: check it, then write it
                 sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-                verify(sent, slot=msg.slot, expected_room=room.id, expected_generation=room.generation, payload=msg.payload)
+                verify(sent, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation, payload=msg.payload)
                 aux.write(msg.slot, sent, msg.payload)
             if msg.kv:
                 self._land_inline_kv(room, w, msg)
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
-            return
-        w.first_check = self.clock()
-        self._check_landed(link.endpoint, room, msg)
+            return False
+        return True
 
-    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord) -> None:
-        """Check the bytes that landed: the stamp in the slot (when the transfer
+    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """Check the bytes of a leg that landed: the stamp in the slot (when the transfer
         engine wrote it) and the KV digest. A write reported complete may not be
         visible yet (asynchronous paths), so a mismatch is re-checked until
         visibility_grace has passed; never Success before."""
         if room.finished or self.rooms.find(room.id) is not room:
             return
-        aux, w = self._aux(), self.work[room.id]
+        w = self.work[room.id]
+        leg = w.legs[msg.leg]
         try:
-            if msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+            if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+                aux = self._aux(room)
                 sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
                 landed = aux.header(msg.slot)
-                verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation,
+                verify(landed, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation,
                        payload=aux.payload(msg.slot, landed.length if landed else 0))
                 if landed != sent:
-                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
-            self._check_digest(room, w, msg)
+                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room_of(room.id))
+            self._check_digest(room, w, leg, msg)
         except PdxferError as exc:
-            waited = self.clock() - w.first_check
+            waited = self.clock() - leg.first_check
             if waited < self.config.visibility_grace:
                 delay = min(self.config.visibility_grace - waited, max(0.001, waited))
                 self.port.later(delay, lambda: self._check_landed(endpoint, room, msg))
                 return
             self.fail(room, exc.code, exc.message)
             return
-        aux.slots.mark_written(msg.slot, msg.generation, self.clock())
-        room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
-        self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
-        self.port.send_link(endpoint, RoomAck(room=room.id))
+        nbytes = msg.kv_pages * self._leg_page_bytes(room, leg.request)
+        if isinstance(msg, AuxRecord):
+            self._aux(room).slots.mark_written(msg.slot, msg.generation, self.clock())
+            nbytes += HEADER_BYTES + msg.length
+        leg.landed = True
+        room.bytes_moved += nbytes
+        if all(other.landed for other in w.legs.values()):
+            self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
+            for code, other in w.legs.items():
+                if other.request.real:
+                    self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
+
+    def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
+        """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""
+        kv = self._kv(room)
+        start, end = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        page = sum(r.page_bytes for r in kv.regions if start <= r.layer < end)
+        return page * leg.head_count // kv.spec.heads.local if leg.head_count else page
 
     def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         """Write a small room's KV that came inside its record. The room is live and
         its slot armed for it (checked before), so its pages are still its own, and
         nothing of it can land later: this is the only write."""
-        kv = self._kv()
+        kv = self._kv(room)
         limit = paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes)
         if len(msg.kv) > limit:
-            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room.id, side=errors.Side.PEER)
+            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room_of(room.id), side=errors.Side.PEER)
         self._check_written_pages(room, w, msg)
         if len(msg.kv) != msg.kv_pages * kv.page_bytes:
-            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room.id, side=errors.Side.PEER)
+            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room_of(room.id), side=errors.Side.PEER)
         kv.scatter(w.pages[: msg.kv_pages], msg.kv)
 
     @staticmethod
     def _check_written_pages(room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         if msg.kv_pages > w.pages.size:
-            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
+            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room_of(room.id))
 
-    def _check_digest(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
-        if not self.config.verify_kv:
+    def _check_digest(self, room: Room, w: DecodeWork, leg: LegState, msg: AuxRecord | LegWritten) -> None:
+        """--verify-kv: the digest of the pages written against the prefill's. Only legs of
+        whole pages carry one: a head or layer slice is not what digest() covers."""
+        if not self.config.verify_kv or not leg.whole:
             return
         if not msg.kv_digested:
-            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH)
+            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH)
         self._check_written_pages(room, w, msg)
-        actual = self._kv().digest(w.pages[: msg.kv_pages])
+        actual = self._kv(room).digest(w.pages[: msg.kv_pages])
         if actual != msg.kv_digest:
             raise PdxferError(
                 f"KV digest {actual:#010x} over {msg.kv_pages} pages does not match the prefill's {msg.kv_digest:#010x}",
-                room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH,
+                room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH,
             )
 
     # --- peer health
@@ -592,7 +661,6 @@ class DecodeService(RoomService):
         super().tick()
         now = self.clock()
         rule = self.heartbeats
-        slots = self.aux.slots.slots if self.aux is not None else []
         stalled = self._stalled(now)
         for link in list(self.links.values()):
             if stalled:  # we were frozen, not they silent: start their clocks again
@@ -600,7 +668,7 @@ class DecodeService(RoomService):
             if not link.rooms and rule.idle(link.last_heard, now):
                 self._forget_link(link)
                 continue
-            link.unfenced = {r: (s, g) for r, (s, g) in link.unfenced.items() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
+            link.unfenced = {r: entry for r, entry in link.unfenced.items() if self._unfenced_waiting(entry)}
             if link.connected and rule.due(link.last_beat, now):
                 if rule.missed(link.beats, link.last_beat, link.last_heard):
                     self.heartbeat_misses += 1  # not a word since the last one
@@ -657,15 +725,14 @@ class DecodeService(RoomService):
             room = self.rooms.find(room_id)
             if room is not None:
                 self.fenced(room)
-        for slot, generation in link.unfenced.values():
-            self._aux().slots.fence(slot, generation, self.clock())
+        for lane, slot, generation, _ in link.unfenced.values():
+            self._fence_released(lane, slot, generation)
         link.unfenced.clear()
 
     def fence_pending(self, link: PrefillLink) -> int:
         """Failed rooms of this link (released by their engine or not) still waiting
         for proof that nothing of them can land."""
-        slots = self._aux().slots.slots
-        return sum(1 for s, g in link.unfenced.values() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED)
+        return sum(1 for entry in link.unfenced.values() if self._unfenced_waiting(entry))
 
     def check_cut(self, peer: str) -> list[PrefillLink]:
         """The links an operator's cut names (pdxfer peer P --cut); raises if none."""
@@ -700,20 +767,43 @@ class DecodeService(RoomService):
         w = self.work.get(room.id)
         if w is None:
             return True
-        if not w.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
-            self.port.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        room_id = room_of(room.id)
+        for code, leg in w.legs.items():
+            if not leg.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
+                self.port.send_link(w.link, RoomFailed(room=room_id, code=room.code, reason=room.reason, fenced=True, leg=code))
         link = self.links.get(w.link)
-        held = link.held.pop(room.id, None) if link is not None else None
-        if held is not None:
-            self.never_sent(room, held)
+        if link is not None:
+            self._withdraw(link, room)
         if w.peer_fenced:
             return True
-        # Its RoomFailed(fenced) reply, its restart, or a cut fences us; nothing else.
+        # Its RoomFailed(fenced) replies, its restart, or a cut fences us; nothing else.
         if link is not None and room.slot >= 0:
-            link.unfenced[room.id] = (room.slot, room.generation)
+            waiting = frozenset(code for code, leg in w.legs.items() if not leg.peer_fenced)
+            link.unfenced[room.id] = (room.lane, room.slot, room.generation, waiting)
         log.warning("room %d: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
-                    room.id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room.id, "peer": w.link})
+                    room_id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room_id, "peer": w.link})
         return False
+
+    def _withdraw(self, link: PrefillLink, room: Room) -> None:
+        """The room's legs leave the request not sent yet (gathering, or held for the
+        link's clock): the prefill never hears of them, so nothing of them can land."""
+        room_id = room_of(room.id)
+        pending = self.pending.get((link.endpoint, room_id))
+        if pending is not None:
+            mine = [leg for leg in pending.legs if leg.lane == room.lane]
+            pending.legs = [leg for leg in pending.legs if leg.lane != room.lane]
+            if mine:
+                self.never_sent(room, RoomRequest(room=room_id, legs=tuple(mine)))
+        held = link.held.get(room_id)
+        if held is not None:
+            mine = tuple(leg for leg in held.legs if leg.lane == room.lane)
+            rest = tuple(leg for leg in held.legs if leg.lane != room.lane)
+            if rest:
+                link.held[room_id] = msgspec.structs.replace(held, legs=rest)
+            else:
+                del link.held[room_id]
+            if mine:
+                self.never_sent(room, msgspec.structs.replace(held, legs=mine))
 
     def still_wanted(self, payload: bytes) -> bool:
         """For a link that connects: whether a message posted while it was down still
@@ -723,18 +813,30 @@ class DecodeService(RoomService):
         msg = self.codec.peer_messages.decode(payload)
         if not isinstance(msg, RoomRequest):
             return True
-        room = self.rooms.find(msg.room)
-        if room is not None and not room.finished:
+        rooms = self.rooms_of_message(msg)
+        if any(not room.finished for room in rooms):
             return True
-        if room is not None:
+        for room in rooms:
             self.never_sent(room, msg)
             self.fenced(room)
         return False
 
     def never_sent(self, room: Room, msg: Message) -> None:
         w = self.work.get(room.id)
-        if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of the room: nothing to tell, nothing can land
-            w.peer_failed = w.peer_fenced = True
+        if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of these legs: nothing to tell, nothing can land
+            for request in msg.legs:
+                leg = w.legs.get(request.leg) if request.lane == room.lane else None
+                if leg is not None:
+                    leg.peer_failed = leg.peer_fenced = True
+
+    def rooms_of_message(self, msg: Message) -> list[Room]:
+        if isinstance(msg, RoomRequest):
+            keys = {room_key(msg.room, decode_rank_of(leg.leg)) for leg in msg.legs}
+        elif isinstance(msg, RoomFailed):
+            keys = {room_key(msg.room, decode_rank_of(msg.leg))}
+        else:
+            return []
+        return [room for key in keys if (room := self.rooms.find(key)) is not None]
 
     def engine_of(self, room: Room) -> bytes:
         w = self.work.get(room.id)

@@ -18,7 +18,9 @@ from pdxfer.core.protocol import (
     KVLayout,
     Layout,
     Message,
+    LaneInfo,
     PeerHello,
+    Rank,
     RegisterAux,
     RegisterKV,
     Role,
@@ -27,7 +29,6 @@ from pdxfer.core.protocol import (
     Send,
     ShmHandle,
     SlotGrant,
-    compat_hash,
 )
 from pdxfer.roles.decode import DecodeService
 from pdxfer.roles.prefill import PrefillService
@@ -108,12 +109,11 @@ def decode(port: RecordingPort | None = None, **options) -> DecodeService:
 def decode_hello(incarnation: str = DECODE_INCARNATION, name: str = "host/d", inline_kv_bytes: int = 0, **fields) -> PeerHello:
     """What a decode daemon with the pools above says first. No inline KV unless asked:
     the rooms here are about writes."""
-    ours = compat_of(SPEC, REGIONS, SLOT_BYTES)
+    lane = LaneInfo(index=0, rank=Rank(), compat=compat_of(SPEC, REGIONS, SLOT_BYTES), heads_local=SPEC.heads.local, layers=SPEC.layers,
+                    region_bases=(DST_KV,), num_pages=LAYOUT.num_pages, aux_base=DST_AUX, aux_slots=SLOTS, memory_version=1)
     return PeerHello(
         version=PROTOCOL_VERSION, incarnation=incarnation, session=DECODE_SESSIONS[0], sessions=DECODE_SESSIONS,
-        compat=ours, compat_hash=compat_hash(ours), region_bases=(DST_KV,), num_pages=LAYOUT.num_pages,
-        aux_base=DST_AUX, aux_slots=SLOTS, memory_version=1, name=name, probe_base=DST_PROBE,
-        inline_kv_bytes=inline_kv_bytes, **fields,
+        lanes=(lane,), name=name, probe_base=DST_PROBE, inline_kv_bytes=inline_kv_bytes, **fields,
     )
 
 
