@@ -100,6 +100,8 @@ def info(daemon, req: int = 0) -> InfoReply:
         "engine_messages": float(service.engine_messages),
         "cpu_takebacks": float(daemon.cpu_takebacks),
         "transfer_engine_process_restarts": float(daemon.engine_process_restarts),
+        "lanes": float(len(service.lanes)),
+        **{f"peer_messages_in:{kind}": float(n) for kind, n in service.peer_messages.items()},
     }
     waiting = not_ready(daemon)
     return InfoReply(

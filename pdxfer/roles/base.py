@@ -101,6 +101,7 @@ class RoomService:
         self.failures: collections.Counter[str] = collections.Counter()
         self.engines: set[bytes] = set()  # engine connections that said hello
         self.engine_messages = 0  # engine messages received (clients answer poll() from pushed statuses: B6)
+        self.peer_messages: collections.Counter[str] = collections.Counter()  # peer messages received, by kind (A5 counts requests)
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeats = config.heartbeats
         self.heartbeat_misses = 0

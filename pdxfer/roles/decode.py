@@ -71,6 +71,7 @@ from ..core.protocol import (
     RoomFailed,
     RoomRequest,
     TransferStarted,
+    tag_of,
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
@@ -245,7 +246,7 @@ class DecodeService(RoomService):
             whole_heads = leg.head_count == spec.heads.local == prefill_heads
             whole_layers = (leg.layer_start, leg.layer_end) == (0, spec.num_layers_total)
             out.append(LegRequest(
-                leg=leg_code(leg), lane=lane.index, pages=msg.pages if leg.real else b"",
+                leg=leg_code(leg), lane=lane.index, pages=msg.pages,
                 slot=msg.slot if leg.carries_aux else 0, generation=msg.generation if leg.carries_aux else 0,
                 memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages,
                 real=leg.real, src_head_start=0 if whole_heads else leg.src_head_start,
@@ -364,6 +365,7 @@ class DecodeService(RoomService):
         except UNDECODABLE as exc:
             log.warning("undecodable message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
             return
+        self.peer_messages[tag_of(msg)] += 1
         try:
             self._dispatch_link(link, msg)
         except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)

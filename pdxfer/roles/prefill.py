@@ -76,6 +76,7 @@ from ..core.protocol import (
     Send,
     TransferStarted,
     compat_diff,
+    tag_of,
 )
 from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
@@ -256,6 +257,7 @@ class PrefillService(RoomService):
         except UNDECODABLE as exc:
             self.port.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
             return
+        self.peer_messages[tag_of(msg)] += 1
         if not any(lane.ready for lane in self.lanes):
             self._hold(identity, incarnation, raw)
             return
