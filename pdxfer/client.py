@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
 from typing import NamedTuple
 
@@ -70,6 +71,7 @@ from .core.protocol import (
 )
 from .core.stamp import HEADER_BYTES, unpack_header, verify
 from .host.memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
+from .host.processes import pid_namespace
 from .wire.sockets import CLOSE_LINGER, Dealer
 
 MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)
@@ -316,7 +318,7 @@ class _Requests:
 
     def _hello(self) -> EngineHello:
         return EngineHello(req=next(self._req), version=PROTOCOL_VERSION, engine_id=self.engine_id, role=self.role,
-                           rank=self.rank, sizes=self.sizes, device=self.device)
+                           rank=self.rank, sizes=self.sizes, device=self.device, pid=os.getpid(), pid_namespace=pid_namespace())
 
     def _register_kv(self, buffers, spec: KVSpec, regions, memory_version: int | None) -> RegisterKV:
         """A registration replacing the current one: under a higher memory version unless one is given."""

@@ -125,6 +125,7 @@ class ErrorCode(str, enum.Enum):
     LEASE_EXPIRED = "lease_expired"
     UNSUPPORTED = "unsupported"
     BUSY = "busy"
+    ENGINE_GONE = "engine_gone"
     INTERNAL = "internal"
 
 
@@ -287,6 +288,8 @@ class EngineHello(Message, tag="engine_hello"):
     rank: Rank = Rank()
     sizes: Rank = ONE_RANK
     device: Text = ""  # "cpu", "cuda:0", ...
+    pid: Count = 0  # the engine's process, in its pid namespace: a daemon in the same one fails its rooms when it exits
+    pid_namespace: Count = 0  # the inode of the engine's /proc/self/ns/pid
 
 
 class RegisterKV(Message, tag="register_kv"):

@@ -28,6 +28,7 @@ from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
 from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, MemoryHandle, Message, PeerError, PeerRefused, PeersReply, Role, RoomState, ShmHandle
 from ..core.rooms import Room
 from ..host import cpu_yield, memory
+from ..host.processes import EngineWatch
 from ..roles.decode import DecodeService
 from ..roles.ports import Mapping
 from ..roles.prefill import PrefillService
@@ -61,6 +62,7 @@ class Daemon:
         self.sessions: Peer = ()  # our transfer engines' sessions
         self.task_failures = 0
         self.engine_process_restarts = 0
+        self.engine_watch = EngineWatch()  # engine processes this daemon sees: a killed one's rooms fail at once
         self.started = time.monotonic()
         self.draining = False
         self.metrics: Metrics | None = None
@@ -434,6 +436,8 @@ class Daemon:
         window = cpu_yield.sample() if self.yielding is not None else None  # yielding is decided before the ticker starts
         while True:
             await asyncio.sleep(TICK_SECONDS)
+            for identity, pid in self.engine_watch.gone():
+                self.service.engine_gone(identity, f"the engine process (pid {pid}) exited")
             self.service.tick()
             self.metrics.fold()
             if self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
@@ -589,6 +593,10 @@ class DaemonPort:
         self._daemon._oneshot(release())
 
     same_memory = staticmethod(memory.same_memory)
+
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        if not self._daemon.engine_watch.add(identity, pid, pid_namespace):
+            log.info("engine connection %s: its process (pid %d) is not visible here; a killed engine's rooms fail at their timeouts", identity.hex(), pid)
 
 
 class PrefillDaemonPort(DaemonPort):

@@ -199,6 +199,8 @@ class RoomService:
                 raise errors.VersionMismatch(f"engine speaks protocol {msg.version}, this daemon speaks {PROTOCOL_VERSION}", side=errors.Side.ENGINE)
             self.engine_lanes[identity] = self._check_rank(msg)
             self.engines.add(identity)
+            if msg.pid:
+                self.port.watch_engine(identity, msg.pid, msg.pid_namespace)
             return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
 
@@ -248,6 +250,27 @@ class RoomService:
 
     def lane_of(self, room: Room) -> Lane:
         return self.lanes[room.lane]
+
+    def engine_gone(self, identity: bytes, reason: str) -> int:
+        """The process behind an engine connection exited: its live rooms fail now, with
+        their peers told, and none waits for it to release them (A10: only that rank's
+        rooms). Its lane, and the memory it registered, stay for a successor. Returns
+        how many rooms failed."""
+        self.engines.discard(identity)
+        lane = self.engine_lanes.pop(identity, None)
+        mine = [room for room in self.rooms if self.engine_of(room) == identity]
+        failed = 0
+        for room in mine:
+            self.disown(room)
+            failed += self.fail(room, ErrorCode.ENGINE_GONE, f"{lane.name if lane else 'the engine'}: {reason}")
+            if room.finished and room.fenced and self.rooms.find(room.id) is room:
+                self.drop(room)
+        log.warning("%s: %s; %d of its rooms failed", lane.name if lane else "an engine", reason, failed)
+        return failed
+
+    def disown(self, room: Room) -> None:
+        """Hook: the room's engine is gone; nobody is told of it or releases it any more."""
+        raise NotImplementedError
 
     def on_announce(self, identity: bytes, msg: Announce) -> Message:
         raise errors.BadMessage(f"announce() goes to a prefill daemon; this one is {self.role.value}", room=msg.room)

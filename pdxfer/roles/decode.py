@@ -844,6 +844,11 @@ class DecodeService(RoomService):
         w = self.work.get(room.id)
         return w.engine if w else b""
 
+    def disown(self, room: Room) -> None:
+        w = self.work.get(room.id)
+        if w is not None:
+            w.engine = b""
+
     def room_memory_version(self, room: Room) -> int:
         w = self.work.get(room.id)
         return w.memory_version if w else 0

@@ -52,6 +52,10 @@ class Port(Protocol):
         """The room table moved ``room`` out of ``left`` (None: created) at ``now``:
         metrics and logs. Runs on every transition, so it is cheap."""
 
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        """Tell the role (engine_gone) when the process behind an engine connection
+        exits, where this host can see it."""
+
 
 class PrefillPort(Port, Protocol):
     """A prefill daemon answers decode daemons and writes into them."""

@@ -739,6 +739,11 @@ class PrefillService(RoomService):
         w = self.work.get(room.id)
         return w.engine if w else b""
 
+    def disown(self, room: Room) -> None:
+        w = self.work.get(room.id)
+        if w is not None:
+            w.engine = b""
+
     def room_pages(self, room: Room) -> tuple[int, int]:
         w = self.work.get(room.id)
         if w is None or w.request is None:
