@@ -507,6 +507,7 @@ class Daemon:
         link.on_dropped = self._peer_messages_dropped
         link.on_refused = lambda code, why: self._link_refused(endpoint, code, why)
         link.keep = self.service.still_wanted
+        link.greeting = lambda: [self.codec.encode(self.service.hello())]
         link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),

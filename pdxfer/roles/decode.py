@@ -121,6 +121,9 @@ class PrefillLink:
     # each was read there before the answer left and here after it arrived.
     offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
     held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset, by room id
+    # Connections lost so far: a room's request leaves on the connection of its epoch, so
+    # rooms asked for after the last loss reached whoever answers on the next one.
+    epoch: int = 0
 
     def clock_sample(self, theirs: float, now: float) -> None:
         if theirs:
@@ -155,6 +158,7 @@ class DecodeWork:
     memory_version: int
     pages: np.ndarray
     legs: dict[int, LegState]  # by leg code
+    epoch: int = 0  # its link's epoch when it was asked for
     started: float = 0.0  # when we learnt the prefill began writing
 
     @property
@@ -215,8 +219,8 @@ class DecodeService(RoomService):
             raise
         # A dummy leg writes nothing here: landed and fenced from the start.
         states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real) for leg in legs}
-        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states)
         link = self._link(endpoint)
+        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch)
         link.rooms.add(room.id)
         self._gather(link, msg.room, lane, legs)
         return Ok(req=msg.req)
@@ -698,35 +702,47 @@ class DecodeService(RoomService):
         if link is None:
             return
         link.connected = event == "connected"
-        if not link.connected and self._live_rooms(link):
-            self.declare_dead(link, f"prefill {endpoint} closed its connection")
+        if not link.connected:
+            link.epoch += 1
+            if self._live_rooms(link):
+                self.declare_dead(link, f"prefill {endpoint} closed its connection")
 
-    def declare_dead(self, link: PrefillLink, reason: str) -> None:
-        """Fail exactly the rooms on this link. The link stays: it reconnects, and a
-        recovered or restarted prefill gets new rooms as usual."""
+    def declare_dead(self, link: PrefillLink, reason: str, before: int | None = None) -> None:
+        """Fail exactly the rooms on this link (those asked for before epoch ``before``,
+        when given). The link stays: it reconnects, and a recovered or restarted prefill
+        gets new rooms as usual."""
         self.count_failure("peers_declared_dead")
-        live = sum(1 for r in link.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
+        rooms = self._link_rooms(link, before)
+        live = sum(1 for room in rooms if not room.finished)
         log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason, extra={"peer": link.endpoint})
         link.last_heard = self.clock()
-        self._fail_link(link, ErrorCode.PEER_DEAD, reason)
+        for room in rooms:
+            self.fail(room, ErrorCode.PEER_DEAD, reason)
 
-    def _restarted(self, link: PrefillLink, incarnation: str) -> None:
+    def _link_rooms(self, link: PrefillLink, before: int | None = None) -> list[Room]:
+        """The link's rooms; with ``before``, those asked for in an earlier epoch."""
+        rooms = [room for r in list(link.rooms) if (room := self.rooms.find(r)) is not None]
+        return rooms if before is None else [room for room in rooms if self.work[room.id].epoch < before]
+
+    def _restarted(self, link: PrefillLink, incarnation: str, on_link: bool = True) -> None:
         """A new process answers at the link's address: the old one is gone, so
-        nothing of it can land any more."""
+        nothing of it can land any more. When it answered on the link, rooms asked for
+        since the connection to the old one was lost went to it (the link says hello
+        first on every new connection): they stay."""
         old = link.incarnation
         link.incarnation, link.ready = incarnation, False
         link.offsets.clear()  # perhaps another host's clock
-        self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
-        self._fence_link(link)
+        before = link.epoch if on_link else None
+        self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})", before)
+        self._fence_link(link, before)
         self.port.send_link(link.endpoint, self.hello())
 
-    def _fence_link(self, link: PrefillLink) -> None:
-        """Nothing the link's prefill sent can land any more: its failed rooms, and the
-        slots of those the engine already released, are fenced."""
-        for room_id in list(link.rooms):
-            room = self.rooms.find(room_id)
-            if room is not None:
-                self.fenced(room)
+    def _fence_link(self, link: PrefillLink, before: int | None = None) -> None:
+        """Nothing the link's prefill sent can land any more: its failed rooms (those of
+        epochs before ``before``, when given), and the slots of those the engine already
+        released, are fenced."""
+        for room in self._link_rooms(link, before):
+            self.fenced(room)
         for lane, slot, generation, _ in link.unfenced.values():
             self._fence_released(lane, slot, generation)
         link.unfenced.clear()
@@ -878,7 +894,7 @@ class DecodeService(RoomService):
             return  # not ours, or already talking to its successor
         successor = self.port.incarnation_of(record.name)
         if successor and successor != record.incarnation:
-            self._restarted(link, successor)  # the old process is gone: fence at once
+            self._restarted(link, successor, on_link=False)  # the old process is gone: fence at once
         elif link.rooms:
             self.declare_dead(link, f"prefill {record.name}: {reason}")
 
