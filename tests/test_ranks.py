@@ -13,7 +13,7 @@ heads out of the model with numpy, so the mapping is checked too, not only the c
 from __future__ import annotations
 
 import multiprocessing
-import queue as queues
+import multiprocessing.connection
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +21,10 @@ from typing import Callable
 import numpy as np
 import pytest
 
+import zmq
+
 from pdxfer import Client, Heads, KVPacking, KVRegion, KVSpec, PageOrder, Rank, RegionKind, Role, RoomState
+from pdxfer.core import errors
 from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.core.topology import first_head, local_heads, stage_layers
 from pdxfer.host.memory import KV_POOL_PREFIX, SharedMemory
@@ -98,42 +101,82 @@ def vllm_rank(layers: tuple[int, int], heads: int, total: int, mla: bool = False
 LAYOUTS = {"sglang": sglang_rank, "vllm": vllm_rank}
 
 
-def run_rank(endpoint: str, role: Role, rank: Rank, sizes: Rank, kv: tuple, script: list, ready, results) -> None:
-    """One engine rank in a process of its own: register its memory and wait for every
-    rank to have registered (as an engine's ranks are all up before it serves), then
-    (prefill) announce each room and send it once the decode asked, or (decode) expect
-    each room; report every room's final status, and on the decode the aux record it read."""
+def run_rank(endpoint: str, role: Role, rank: Rank, sizes: Rank, kv: tuple, steps: list, ready, results) -> None:
+    """One engine rank in a process of its own: register its memory, wait for every rank
+    to have registered (an engine's ranks are all up before it serves), then run
+    ``steps``, each a tuple naming what to do:
+
+    - ("announce", room); ("send", room, pages, tokens, aux, first_page, last): a chunk,
+      once the decode asked for the room (the last chunk carries an aux record);
+    - ("expect", room, pages, bootstrap, prefill_sizes);
+    - ("wait", rooms): each room's final status (or "daemon_gone") goes in the report;
+    - ("tell", what): the test hears ``what`` now; ("hang",): stay until killed;
+    - ("reconnect",): the daemon went: connect again until it is back, register the
+      same memory.
+
+    At the end it reports every status, the decode's aux records and the time."""
     buffers, spec, regions = kv
-    client = Client(endpoint, timeout=30.0, engine_id=f"test-{role.value}", rank=rank, sizes=sizes, role=role, device="cpu")
-    out = {}
-    try:
+    out, slots = {}, {}
+
+    def connected() -> Client:
+        client = Client(endpoint, timeout=30.0, engine_id=f"test-{role.value}", rank=rank, sizes=sizes, role=role, device="cpu")
         client.connect()
         client.register_kv(buffers, spec, regions)
         client.create_aux_buffer(SLOTS, PAYLOAD)
+        return client
+
+    client = connected()
+    try:
         ready.wait(60)
-        slots = {}
-        if role is Role.PREFILL:
-            for room, *_ in script:
-                client.announce(room)
-            for room, pages, tokens, aux in script:
-                _until_waiting(client, room)
-                slots[room] = slot = client.alloc_slot()
-                client.aux.payload(slot)[:] = np.frombuffer(aux, np.uint8)
-                client.send(room, pages, num_tokens=tokens, slot=slot, aux_bytes=PAYLOAD)
-        else:
-            for room, pages, boot, prefill_sizes in script:
+        for step in steps:
+            if step[0] == "announce":
+                client.announce(step[1])
+            elif step[0] == "send":
+                room, pages, tokens, aux, first, last = step[1:]
+                if first == 0:
+                    _until_waiting(client, room)
+                if last:
+                    slots[room] = slot = client.alloc_slot()
+                    client.aux.payload(slot)[:] = np.frombuffer(aux, np.uint8)
+                    client.send(room, pages, num_tokens=tokens, slot=slot, aux_bytes=PAYLOAD, first_page=first, last=True)
+                else:
+                    client.send(room, pages, first_page=first, last=False)
+            elif step[0] == "expect":
+                room, pages, boot, prefill_sizes = step[1:]
                 slots[room] = slot = client.alloc_slot()
                 client.expect(room, boot, pages, slot, prefill_sizes=prefill_sizes)
-        for room, *_ in script:
-            status = client.wait(room, timeout=30.0)
-            out[room] = (status.state.value, status.code.value if status.code else "", status.reason)
-            if role is Role.DECODE and status.state is RoomState.SUCCESS:
-                out[room] += (client.aux.read(slots[room], room),)
+            elif step[0] == "wait":
+                for room in step[1]:
+                    try:
+                        status = client.wait(room, timeout=30.0)
+                    except errors.DaemonGone:
+                        out[room] = ("daemon_gone", "", "")
+                        continue
+                    out[room] = (status.state.value, status.code.value if status.code else "", status.reason)
+                    if role is Role.DECODE and status.state is RoomState.SUCCESS:
+                        out[room] += (client.aux.read(slots[room], room),)
+            elif step[0] == "tell":
+                results.send(step[1])
+            elif step[0] == "hang":
+                time.sleep(3600)
+            elif step[0] == "reconnect":
+                client.close()
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        client = connected()
+                        break
+                    except (errors.PdxferError, zmq.ZMQError):
+                        if time.monotonic() > deadline:
+                            raise
+                        client.close()
+                        time.sleep(0.2)
     except Exception as exc:  # reported, so the test says which rank failed and why
         out["error"] = repr(exc)
     finally:
         client.close()
-    results.put(((role.value, rank.pp, rank.tp), out))
+    out["finished"] = time.monotonic()
+    results.send(out)
 
 
 def _until_waiting(client: Client, room: int) -> None:
@@ -144,26 +187,67 @@ def _until_waiting(client: Client, room: int) -> None:
         time.sleep(0.005)
 
 
-def run_ranks(jobs: list[tuple]) -> dict:
-    """Every rank in a process of its own, all at once; their reports by (role, pp, tp)."""
-    ctx = multiprocessing.get_context("spawn")
-    results, ready = ctx.Queue(), ctx.Barrier(len(jobs))
-    procs = [ctx.Process(target=run_rank, args=(*job, ready, results)) for job in jobs]
-    for p in procs:
-        p.start()
-    reports = {}
-    try:
-        for _ in procs:
-            key, out = results.get(timeout=120)
-            reports[key] = out
-    except queues.Empty:
-        pytest.fail(f"ranks that never reported: {[job[2] for job in jobs if (job[1].value, job[2].pp, job[2].tp) not in reports]}")
-    finally:
-        for p in procs:
+class Ranks:
+    """Every rank in a process of its own, all at once. Each reports on a pipe of its
+    own: a rank killed while writing to a shared queue would leave its lock held."""
+
+    def __init__(self, jobs: list[tuple]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.ready = ctx.Barrier(len(jobs))  # kept: the children open it as they start
+        self.procs, self.pipes = {}, {}
+        for job in jobs:
+            key = (job[1].value, job[2].pp, job[2].tp)
+            reader, writer = ctx.Pipe(duplex=False)
+            self.procs[key] = ctx.Process(target=run_rank, args=(*job, self.ready, writer))
+            self.pipes[reader] = key
+        for p in self.procs.values():
+            p.start()
+        self.reports: dict = {}
+        self.told: list = []
+
+    def heard(self, timeout: float = 90) -> tuple:
+        """The next thing a rank tells or reports: (rank key, what)."""
+        while not self.told:
+            ready = multiprocessing.connection.wait([r for r, key in self.pipes.items() if key not in self.reports], timeout)
+            if not ready:
+                pytest.fail(f"no rank said anything in {timeout}s; reports so far: {sorted(self.reports)}")
+            for reader in ready:
+                try:
+                    what = reader.recv()
+                except EOFError:  # killed, or it died: it has nothing more to say
+                    self.reports[self.pipes[reader]] = {"error": "exited without a report"}
+                    continue
+                if isinstance(what, dict):
+                    self.reports[self.pipes[reader]] = what
+                self.told.append((self.pipes[reader], what))
+        return self.told.pop(0)
+
+    def kill(self, key: tuple) -> float:
+        self.procs[key].kill()
+        self.procs[key].join(10)
+        return time.monotonic()
+
+    def collect(self) -> dict:
+        """Every rank's report (a killed one's says so)."""
+        while len(self.reports) < len(self.procs):
+            self.heard()
+        for p in self.procs.values():
             p.join(10)
+        return self.reports
+
+    def close(self) -> None:
+        for p in self.procs.values():
             if p.is_alive():
                 p.kill()
-    return reports
+                p.join(10)
+
+
+def run_ranks(jobs: list[tuple]) -> dict:
+    ranks = Ranks(jobs)
+    try:
+        return ranks.collect()
+    finally:
+        ranks.close()
 
 
 @dataclass
@@ -186,6 +270,20 @@ ROOMS = {  # room: (source pages, destination pages); the decode pages of one ro
     501: ([3, 4, 5, 6, 7], [20, 21, 2, 3, 11]),
     502: ([12, 1, 9], [8, 9, 10]),
 }
+
+
+def prefill_steps(rooms: dict, aux: Callable[[int], bytes], chunks: int = 1) -> list:
+    """Announce every room, then send each (in ``chunks`` chunks) once the decode asked; wait."""
+    steps = [("announce", room) for room in rooms]
+    for room, (src, _) in rooms.items():
+        bounds = np.linspace(0, len(src), chunks + 1).astype(int)
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            steps.append(("send", room, src[a:b], len(src) * PAGE_SIZE - 1, aux(room), int(a), i == chunks - 1))
+    return steps + [("wait", list(rooms))]
+
+
+def decode_steps(rooms: dict, boot: str, prefill_sizes: Rank) -> list:
+    return [("expect", room, dst, boot, prefill_sizes) for room, (_, dst) in rooms.items()] + [("wait", list(rooms))]
 
 
 def model_for(topo: Topology, kinds, unit: int, rng) -> dict:
@@ -228,8 +326,8 @@ def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):
                     view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
                     for room, (src, _) in ROOMS.items():
                         view[src] = model[room][layer, kind][:, :, h0 : h0 + h_p]
-                script = [(room, src, len(src) * PAGE_SIZE - 1, aux_payload(room, pp)) for room, (src, _) in ROOMS.items()]
-                jobs.append((prefill_daemon.engine, Role.PREFILL, Rank(tp=tp, pp=pp), prefill_sizes, (kv.buffers, kv.spec, kv.regions), script))
+                jobs.append((prefill_daemon.engine, Role.PREFILL, Rank(tp=tp, pp=pp), prefill_sizes, (kv.buffers, kv.spec, kv.regions),
+                             prefill_steps(ROOMS, aux=lambda room, pp=pp: aux_payload(room, pp))))
         decode_ranks = []
         for tp in range(topo.decode_tp):
             kv = build((0, LAYERS), h_d, topo.heads, topo.mla)
@@ -242,9 +340,10 @@ def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):
                 for room, (_, dst) in ROOMS.items():
                     view[dst] = model[room][layer, kind][:, :, h0 : h0 + h_d]
             decode_ranks.append((kv, want))
-            script = [(room, dst, prefill_daemon.bootstrap, prefill_sizes) for room, (_, dst) in ROOMS.items()]
-            jobs.append((decode_daemon.engine, Role.DECODE, Rank(tp=tp), Rank(tp=topo.decode_tp), (kv.buffers, kv.spec, kv.regions), script))
+            jobs.append((decode_daemon.engine, Role.DECODE, Rank(tp=tp), Rank(tp=topo.decode_tp), (kv.buffers, kv.spec, kv.regions),
+                         decode_steps(ROOMS, prefill_daemon.bootstrap, prefill_sizes)))
         received_before = daemon_counters(decode_daemon.ready["admin"])["bytes_received"]
+        moved_before = daemon_counters(prefill_daemon.ready["admin"])["bytes_moved"]
 
         reports = run_ranks(jobs)
 
@@ -271,7 +370,85 @@ def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):
         page_bytes = sum(r.page_bytes for r in decode_ranks[0][0].regions)
         pages = sum(len(dst) for _, dst in ROOMS.values())
         assert decode_counters["bytes_received"] - received_before == topo.decode_tp * (pages * page_bytes + len(ROOMS) * (HEADER_BYTES + PAYLOAD))
+        # ... and that is what the transfer engine moved (aux records travel on the bootstrap channel here).
+        assert prefill_counters["bytes_moved"] - moved_before == topo.decode_tp * pages * page_bytes
     finally:
         for kv in ranks:
             kv.close()
 
+
+
+def equal_tp_ranks(daemons_pair, rooms: dict, tp: int = 2, layout: str = "sglang"):
+    """``tp`` prefill and ``tp`` decode ranks (4 heads) with the rooms' source pages
+    filled; returns (prefill KVs, decode KVs, the expected decode buffers)."""
+    rng = np.random.default_rng(61)
+    heads = local_heads(4, tp)
+    prefill, decode, want = [], [], []
+    for _ in range(tp):
+        kv = LAYOUTS[layout]((0, LAYERS), heads, 4)
+        for view in kv.views.values():
+            view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+        prefill.append(kv)
+    for t in range(tp):
+        kv = LAYOUTS[layout]((0, LAYERS), heads, 4)
+        for view in kv.views.values():
+            view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+        expected = [m.array.copy() for m in kv.memory]
+        for key, view in kv.shape(expected).items():
+            for src, dst in rooms.values():
+                view[dst] = prefill[t].views[key][src]
+        decode.append(kv)
+        want.append(expected)
+    return prefill, decode, want
+
+
+def test_a_killed_rank_fails_only_its_own_rooms(daemons):
+    """TP2 -> TP2: prefill rank 1 hands over the first chunk of each room and is killed
+    (SIGKILL). Its daemon sees the process go and fails its rooms at once, naming it;
+    the decode rank it wrote to hears so, with its pages held until nothing of the dead
+    rank can land (fenced). Rank 0's rooms, on both sides, succeed byte for byte."""
+    prefill_daemon, decode_daemon = daemons("prefill"), daemons("decode", "--expect-batch-ms", "10000")
+    rooms = {601: ([1, 2, 3, 4], [5, 6, 7, 8]), 602: ([9, 10, 11, 12, 13, 14], [0, 1, 2, 3, 4, 9])}
+    prefill, decode, want = equal_tp_ranks(daemons, rooms)
+    sizes = Rank(tp=2)
+    aux = lambda room: aux_payload(room, 0)  # noqa: E731
+    doomed = [("announce", room) for room in rooms] + [
+        ("send", room, src[:2], len(src) * PAGE_SIZE - 1, aux(room), 0, False) for room, (src, _) in rooms.items()
+    ] + [("tell", "chunked"), ("hang",)]
+    jobs = [
+        (prefill_daemon.engine, Role.PREFILL, Rank(tp=0), sizes, _kv(prefill[0]), prefill_steps(rooms, aux, chunks=2)),
+        (prefill_daemon.engine, Role.PREFILL, Rank(tp=1), sizes, _kv(prefill[1]), doomed),
+    ] + [(decode_daemon.engine, Role.DECODE, Rank(tp=t), sizes, _kv(decode[t]), decode_steps(rooms, prefill_daemon.bootstrap, sizes))
+         for t in range(2)]
+    ranks = Ranks(jobs)
+    try:
+        while ranks.heard() != (("prefill", 0, 1), "chunked"):
+            pass
+        killed = ranks.kill(("prefill", 0, 1))
+        reports = ranks.collect()
+        _check_killed_rank(rooms, reports, killed, decode, want, prefill_daemon)
+    finally:
+        ranks.close()
+        for kv in prefill + decode:
+            kv.close()
+
+
+def _check_killed_rank(rooms, reports, killed, decode, want, prefill_daemon) -> None:
+    for key in (("prefill", 0, 0), ("decode", 0, 0)):
+        assert "error" not in reports[key], reports[key]
+        assert {room: reports[key][room][0] for room in rooms} == {room: "success" for room in rooms}, reports[key]
+    for i, (got, expect) in enumerate(zip(decode[0].memory, want[0])):
+        assert np.array_equal(got.array, expect), f"decode rank 0 buffer {i} differs"
+    lost = reports["decode", 0, 1]
+    for room in rooms:
+        state, code, reason = lost[room][:3]
+        assert (state, code) == ("failed", "engine_gone"), lost[room]
+        assert "exited" in reason and "pp=0 tp=1" in reason, reason
+    # At once, not at a timeout: the decode rank's waits ended (fenced) seconds after the kill.
+    assert lost["finished"] - killed < 10, lost["finished"] - killed
+    counters = daemon_counters(prefill_daemon.ready["admin"])
+    assert counters["rooms_succeeded"] == len(rooms) and counters["rooms_failed"] == len(rooms)
+
+
+def _kv(kv: RankKV) -> tuple:
+    return kv.buffers, kv.spec, kv.regions

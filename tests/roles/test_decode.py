@@ -308,26 +308,31 @@ def test_a_prefill_that_closes_its_connection_with_live_rooms_is_declared_dead()
 
 def test_a_restarted_prefill_fails_and_fences_its_predecessors_rooms_at_once():
     """A new incarnation answers at the link's address: the old process is gone, so
-    nothing it sent can land any more."""
+    nothing it sent can land any more. Its rooms failed when its connection went;
+    they are fenced now. A room asked for after the connection went was sent to the
+    new process (the link says hello first on a new connection): it stays live."""
     service = decode()
     port = service.port
     expecting(service, 7, [5])
     expecting(service, 8, [6])
+    service.on_connection(ENDPOINT, "connected")
     accepted(service, 7)
     accepted(service, 8)
+    service.on_connection(ENDPOINT, "disconnected")
+    lost = f"prefill {ENDPOINT} closed its connection"
+    assert sorted((m.room, m.fenced) for _, _, m in port.take() if isinstance(m, RoomStatus)) == [(7, False), (8, False)]
+    assert service.rooms.get(7).reason == lost
+    assert call(service, expect(9, [7], grant(service))) == Ok(req=11)
+    (request,) = [m for _, _, m in port.take() if isinstance(m, RoomRequest)]  # queued for the next connection
+    assert request.room == 9
     new = "n" * 16
+    service.on_connection(ENDPOINT, "connected")
     link(service, welcome(clock=9_000.0, incarnation=new), incarnation=new)
-    reason = f"prefill {ENDPOINT} restarted (incarnation {PREFILL_INCARNATION} -> {new})"
     sent = port.take()
-    by_room = sorted(sent[:-1], key=lambda m: (m[2].room, m[0] == "engine", m[2].fenced))  # the link's rooms come in any order
-    assert by_room == [
-        item for r in (7, 8) for item in (
-            ("link", ENDPOINT, RoomFailed(room=r, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
-            ("engine", ENGINE, status(r, F, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason)),
-            ("engine", ENGINE, status(r, F, fenced=True, code=ErrorCode.PEER_DEAD, reason=reason)))
-    ]
-    assert [m.fenced for _, _, m in sent[:-1] if isinstance(m, RoomStatus)] == [False, False, True, True]  # all fail, then all fence
-    assert sent[-1] == ("link", ENDPOINT, service.hello())
+    assert sorted((m.room, m.state, m.fenced) for _, _, m in sent if isinstance(m, RoomStatus)) == [(7, F, True), (8, F, True)]
+    assert not any(isinstance(m, RoomFailed) for _, _, m in sent)  # those two were told when the connection went
+    assert service.rooms.get(9).state is B  # the new process has its request
+    assert ("link", ENDPOINT, service.hello()) in sent
     assert all(s.state is not SlotState.QUARANTINED for s in service.lanes[0].aux.slots.slots)
     assert service.links[ENDPOINT].incarnation == new and service.links[ENDPOINT].ready
 
