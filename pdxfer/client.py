@@ -459,6 +459,7 @@ class Client(_Requests):
         return [msg for raw in frames if (msg := self._incoming(raw)) is not None]
 
     def _call(self, msg: Message):
+        self._still_connected()
         self._sock.send(self.codec.encode(msg))
         deadline = time.monotonic() + self.timeout
         while True:
@@ -471,8 +472,15 @@ class Client(_Requests):
                 return raise_for(mine[0])
 
     def _drain(self, timeout_ms: int = 0) -> None:
+        self._still_connected()
         while (frames := self._receive(timeout_ms)) is not None:
             self._take(frames)
+
+    def _still_connected(self) -> None:
+        """Once the daemon went away, every call says so until connect(): the socket
+        would otherwise reach a restarted daemon, which knows nothing of this engine."""
+        if self._lost:
+            raise errors.DaemonGone(self._gone())
             timeout_ms = 0
 
     def register_kv(self, buffers: list[MemoryHandle], spec: KVSpec, regions: list[KVRegion], memory_version: int | None = None) -> int:

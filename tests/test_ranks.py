@@ -31,6 +31,7 @@ from pdxfer.host.memory import KV_POOL_PREFIX, SharedMemory
 from pdxfer.ops.inspection import daemon_counters
 
 from .conftest import needs_mooncake
+from .roomkit import free_port, kill
 
 pytestmark = [needs_mooncake, pytest.mark.integration]
 
@@ -452,3 +453,59 @@ def _check_killed_rank(rooms, reports, killed, decode, want, prefill_daemon) -> 
 
 def _kv(kv: RankKV) -> tuple:
     return kv.buffers, kv.spec, kv.regions
+
+
+def test_a_daemon_restarted_under_load_is_found_again_by_every_rank(daemons):
+    """TP2 -> TP1. The prefill daemon is killed while both its ranks' rooms are half
+    handed over, and started again at the same address. Both ranks hear DaemonGone,
+    connect again and register the same memory; the decode's rooms of the lost daemon
+    fail and are fenced, their pages go to new rooms, and those succeed byte for byte."""
+    port = free_port()
+    prefill_daemon = daemons("prefill", "--bootstrap-port", str(port), name="p")
+    decode_daemon = daemons("decode", "--expect-batch-ms", "10000")
+    first = {701: ([1, 2, 3], [4, 5, 6]), 702: ([7, 8], [7, 8])}
+    lost = {711: ([10, 11, 12, 13], [12, 13, 14, 15]), 712: ([14, 15, 16], [16, 17, 18])}
+    again = {721: ([17, 18, 19, 20], [12, 13, 14, 15]), 722: ([0, 21, 22], [16, 17, 18])}  # the lost rooms' pages, once fenced
+    rng = np.random.default_rng(71)
+    prefill = [sglang_rank((0, LAYERS), 2, 4) for _ in range(2)]
+    decode = sglang_rank((0, LAYERS), 4, 4)
+    try:
+        for kv in (*prefill, decode):
+            for view in kv.views.values():
+                view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+        want = [m.array.copy() for m in decode.memory]
+        for key, view in decode.shape(want).items():
+            for src, dst in (*first.values(), *again.values()):
+                view[dst] = np.concatenate([prefill[0].views[key][src], prefill[1].views[key][src]], axis=2)
+        sizes, aux = Rank(tp=2), (lambda room: aux_payload(room, 0))
+        half = [("announce", room) for room in lost] + [
+            ("send", room, src[:2], len(src) * PAGE_SIZE - 1, aux(room), 0, False) for room, (src, _) in lost.items()]
+        prefill_script = prefill_steps(first, aux) + half + [("tell", "half"), ("wait", list(lost)), ("reconnect",)] + prefill_steps(again, aux)
+        decode_script = (decode_steps(first, prefill_daemon.bootstrap, sizes) + decode_steps(lost, prefill_daemon.bootstrap, sizes)
+                         + decode_steps(again, prefill_daemon.bootstrap, sizes))
+        jobs = [(prefill_daemon.engine, Role.PREFILL, Rank(tp=t), sizes, _kv(prefill[t]), prefill_script) for t in range(2)]
+        jobs.append((decode_daemon.engine, Role.DECODE, Rank(), Rank(), _kv(decode), decode_script))
+        ranks = Ranks(jobs)
+        try:
+            halves = 0
+            while halves < 2:
+                halves += ranks.heard()[1] == "half"
+            kill(prefill_daemon)
+            prefill_daemon.proc.wait(10)
+            daemons("prefill", "--bootstrap-port", str(port), name="p")
+            reports = ranks.collect()
+        finally:
+            ranks.close()
+        assert not [(key, out["error"]) for key, out in reports.items() if "error" in out]
+        for key, out in sorted(reports.items()):
+            assert [out[room][0] for room in (*first, *again)] == ["success"] * 4, f"{key}: {out}"
+        for t in range(2):
+            assert [reports["prefill", 0, t][room][0] for room in lost] == ["daemon_gone"] * 2
+        for room in lost:
+            state, code, reason = reports["decode", 0, 0][room][:3]
+            assert (state, code) == ("failed", "peer_dead"), reports["decode", 0, 0][room]
+        for i, (got, expect) in enumerate(zip(decode.memory, want)):
+            assert np.array_equal(got.array, expect), f"decode buffer {i}: bytes {np.flatnonzero(got.array != expect)[:8]} differ"
+    finally:
+        for kv in (*prefill, decode):
+            kv.close()
