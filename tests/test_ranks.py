@@ -262,6 +262,7 @@ class Topology:
 
 CASES = {
     "tp2-tp1": Topology(2, 1, 4),
+    "tp1-tp2": Topology(1, 2, 4),
     "tp4-tp2-gqa": Topology(4, 2, 2),
     "mla-tp4-tp2": Topology(4, 2, 1, mla=True),
     "pp2-pp1": Topology(1, 1, 4, prefill_pp=2),
@@ -301,7 +302,7 @@ def aux_payload(room: int, stage: int) -> bytes:
 
 
 @pytest.mark.parametrize("case,layout", [
-    ("tp2-tp1", "sglang"), ("tp2-tp1", "vllm"), ("tp4-tp2-gqa", "sglang"), ("mla-tp4-tp2", "sglang"),
+    ("tp2-tp1", "sglang"), ("tp2-tp1", "vllm"), ("tp1-tp2", "sglang"), ("tp1-tp2", "vllm"), ("tp4-tp2-gqa", "sglang"), ("mla-tp4-tp2", "sglang"),
     ("pp2-pp1", "vllm"), ("tp2-tp2", "sglang"),
 ])
 def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):

@@ -313,6 +313,12 @@ def room_key(room: int, rank: int) -> int:
     return room | (rank << _ROOM_BITS)
 
 
+def fan_key(room: int, leg: int) -> int:
+    """The key of a prefill rank's part of ``room`` that writes to another decode rank
+    than its first (fan-out: decode TP above prefill TP): one per further leg."""
+    return room_key(room, (1 << 64) | leg)
+
+
 def room_of(key: int) -> int:
     """The room id a room-table key is part of (what the wire and the engine call it)."""
     return key & ((1 << _ROOM_BITS) - 1)

@@ -165,8 +165,9 @@ class RoomService:
             return self.on_announce(identity, msg)
         if isinstance(msg, Release):
             room = self.rooms.get(self.engine_key(identity, msg.room))
-            if not room.finished:
-                raise errors.BadMessage(f"room {msg.room} is {room.state.value}; abort it before releasing it", room=msg.room)
+            state = self.status(room).state
+            if state not in (RoomState.SUCCESS, RoomState.FAILED):
+                raise errors.BadMessage(f"room {msg.room} is {state.value}; abort it before releasing it", room=msg.room)
             self.drop(room)
             return Ok(req=msg.req)
         if isinstance(msg, AllocSlot):
@@ -408,8 +409,10 @@ class RoomService:
 
     def push(self, room: Room, engine: bytes) -> None:
         if engine:
-            self.port.send_engine(engine, self.status(room))
-            if room.release_when_settled and room.finished and room.fenced and self.rooms.find(room.id) is room:
+            status = self.status(room)
+            self.port.send_engine(engine, status)
+            settled = status.state is RoomState.SUCCESS or (status.state is RoomState.FAILED and status.fenced)
+            if room.release_when_settled and settled and self.rooms.find(room.id) is room:
                 self.drop(room)
 
     def engine_of(self, room: Room) -> bytes:

@@ -231,10 +231,6 @@ class DecodeService(RoomService):
         spec = lane.registered_kv().spec
         prefill_tp, prefill_pp = msg.prefill_sizes.tp or 1, msg.prefill_sizes.pp or 1
         try:
-            if lane.sizes.tp > prefill_tp:
-                raise errors.Unsupported(
-                    f"decode TP {lane.sizes.tp} above prefill TP {prefill_tp}: one prefill rank writing to several decode "
-                    "ranks (fan-out) is not built yet; run the decode with TP at most the prefill's")
             expected = spec.heads.total if spec.mla else local_heads(spec.heads.total, lane.sizes.tp)
             if spec.heads.local != expected:
                 raise errors.BadMessage(

@@ -73,6 +73,7 @@ from ..core.protocol import (
     RoomFailed,
     RoomRequest,
     RoomState,
+    RoomStatus,
     Send,
     TransferStarted,
     compat_diff,
@@ -80,7 +81,7 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
-from ..core.topology import prefill_rank_of, room_key, room_of
+from ..core.topology import decode_rank_of, fan_key, prefill_rank_of, room_key, room_of
 from ..transport import Job, Peer, label, primary
 from .base import RoomService
 from .pools import compat
@@ -117,6 +118,18 @@ class DecodePeer:
         return self.hello.sessions or (self.hello.session,)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a room's input as the engine handed it over (send)."""
+
+    first_page: int
+    pages: np.ndarray
+    last: bool
+    num_tokens: int
+    aux_bytes: int
+    release_when_settled: bool
+
+
 @dataclass(eq=False)
 class PrefillWork:
     engine: bytes = b""  # the engine connection that announced or sent the room
@@ -138,6 +151,10 @@ class PrefillWork:
     # writes may still land) until the transfer engines are closed (transport_closed).
     jobs: set[Job] = field(default_factory=set)
     job: Job | None = None  # the aux record's write, likewise
+    aux_slot: int = -1  # the engine's aux slot the record is read from (a fan-out room's is its first room's)
+    handed: list[Chunk] = field(default_factory=list)  # every chunk handed over, for a fan-out room made later
+    fans: list[int] = field(default_factory=list)  # the first room of a prefill rank: its fan-out rooms' keys
+    first_room: int = 0  # a fan-out room: its first room's key
     aux_sent: bool = False
     lease_end: float = 0.0
     digest: int | None = None
@@ -202,8 +219,8 @@ class PrefillService(RoomService):
         created = room is None
         if created:
             room = self.rooms.create(key, Role.PREFILL, self.clock())
-            room.lane = lane.index
             self.work[room.id] = w = PrefillWork()
+        room.lane = lane.index
         if msg.last:
             try:
                 self.bind_slot(room, msg.slot, msg.generation)
@@ -212,20 +229,38 @@ class PrefillService(RoomService):
                     self.rooms.remove(room.id)
                     self.work.pop(room.id, None)
                 raise
-            w.last, w.num_tokens, w.aux_bytes = True, msg.num_tokens, msg.aux_bytes
-            room.release_when_settled = msg.release_when_settled
+            for part in self._group(room):
+                self.work[part.id].aux_slot = msg.slot
+        chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled)
         w.engine, w.memory_version = identity, msg.memory_version
+        self._hand_over(room, w, chunk)
+        for fan in self._fans(room):
+            self._hand_over(fan, self.work[fan.id], chunk)
+        return Ok(req=msg.req)
+
+    @staticmethod
+    def _take(room: Room, w: PrefillWork, chunk: Chunk) -> None:
+        if chunk.last:
+            w.last, w.num_tokens, w.aux_bytes = True, chunk.num_tokens, chunk.aux_bytes
+            room.release_when_settled = chunk.release_when_settled
         if w.first < 0:
-            w.first = msg.first_page
-        w.end = msg.first_page + src.size
-        w.chunks.append((msg.first_page, src.copy()))
+            w.first = chunk.first_page
+        w.end = chunk.first_page + chunk.pages.size
+        w.chunks.append((chunk.first_page, chunk.pages))
+        w.handed.append(chunk)
+
+    def _hand_over(self, room: Room, w: PrefillWork, chunk: Chunk) -> None:
+        """A chunk of the room's input: written at once if the room has started, else it
+        may start the room now."""
+        if room.finished:
+            return
+        self._take(room, w, chunk)
         if w.started:
             self._write_chunks(room, w)
         else:
             self.advance(room, Event.INPUT_READY)
             if room.state is RoomState.TRANSFERRING:
-                self._start(room, w, announce=TransferStarted(room=msg.room, leg=w.leg))
-        return Ok(req=msg.req)
+                self._start(room, w, announce=TransferStarted(room=room_of(room.id), leg=w.leg))
 
     def on_announce(self, identity: bytes, msg: Announce) -> Message:
         """The engine will send this room: it hears the room's status when the decode's
@@ -238,10 +273,12 @@ class PrefillService(RoomService):
             raise PdxferError(f"room {msg.room} already {state.value} before announce(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
         if room is None:
             room = self.rooms.create(key, Role.PREFILL, self.clock())
-            room.lane = lane.index
             self.work[room.id] = PrefillWork()
+        room.lane = lane.index
         w = self.work[room.id]
         w.engine = identity
+        for fan in self._fans(room):
+            self.work[fan.id].engine = identity
         if room.finished or w.request is not None:
             self.push(room, identity)
         return Ok(req=msg.req)
@@ -399,7 +436,12 @@ class PrefillService(RoomService):
             # Failed before the decode side showed up: tell it, with nothing in flight.
             self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=leg.leg))
             return []
-        if room is not None and (room.finished or (w and w.peer)):
+        fan_out = room is not None and not room.finished and w is not None and w.request is not None \
+            and decode_rank_of(w.request.leg) != decode_rank_of(leg.leg)
+        if fan_out:  # this prefill rank writes to another decode rank too: a room of its own for it
+            first, key = room, fan_key(msg.room, leg.leg)
+            room, w = self.rooms.find(key), self.work.get(key)
+        if room is not None and (room.finished or (w and w.peer)) or key in self.finished:
             raise errors.DuplicateRoom(f"room {msg.room} was already requested", room=msg.room, side=errors.Side.PEER)
         try:
             dst = pages_from_bytes(leg.pages)
@@ -419,7 +461,36 @@ class PrefillService(RoomService):
         room.peer = peer.label
         peer.rooms.add(room.id)
         self.advance(room, Event.BOOTSTRAPPED)
+        if fan_out:
+            self._fan(first, room, w)
         return [(room, w)]
+
+    def _fan(self, first: Room, room: Room, w: PrefillWork) -> None:
+        """A fan-out room takes its first room's engine and every chunk handed over so far."""
+        head = self.work[first.id]
+        head.fans.append(room.id)
+        room.lane, w.first_room = first.lane, first.id
+        w.engine, w.memory_version, w.aux_slot = head.engine, head.memory_version, head.aux_slot
+        for chunk in head.handed:
+            self._take(room, w, chunk)
+        if head.handed:
+            self.advance(room, Event.INPUT_READY)
+
+    def _fans(self, room: Room) -> list[Room]:
+        w = self.work.get(room.id)
+        return [fan for key in (w.fans if w is not None else ()) if (fan := self.rooms.find(key)) is not None]
+
+    def _group(self, room: Room) -> list[Room]:
+        """A prefill rank's parts of a room: its first, and its fan-out rooms."""
+        w = self.work.get(room.id)
+        first = self.rooms.find(w.first_room) if w is not None and w.first_room else room
+        return [first, *self._fans(first)] if first is not None else [room]
+
+    def _leg_key(self, room_id: int, leg: int) -> int:
+        """The room-table key of the prefill part a decode daemon's message about a leg is for."""
+        key = room_key(room_id, prefill_rank_of(leg))
+        w = self.work.get(key)
+        return fan_key(room_id, leg) if w is not None and w.request is not None and w.request.leg != leg else key
 
     def _start(self, room: Room, w: PrefillWork, announce: Message | None) -> None:
         """Both halves are in: check everything, then write the chunks handed over so far
@@ -587,15 +658,16 @@ class PrefillService(RoomService):
             self.port.send_peer(w.peer, LegWritten(room=room_of(room.id), leg=req.leg, kv_pages=w.written,
                                                    kv_digested=w.digest is not None, kv_digest=w.digest or 0))
             return
-        payload = aux.payload(room.slot, w.aux_bytes)
+        payload = aux.payload(w.aux_slot, w.aux_bytes)
         stamp = stamp_for(room_of(room.id), req.generation, payload)
-        if self.aux_path is paths.AuxPath.TCP:
+        # A fan-out room's record travels here: the slot's header is its first room's to write.
+        if self.aux_path is paths.AuxPath.TCP or w.first_room:
             self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
             return
-        aux.write_header(room.slot, stamp)
+        aux.write_header(w.aux_slot, stamp)
         lane = peer.lanes[req.lane]
         dst = lane.aux_base + req.slot * lane.compat.aux_slot_bytes
-        blocks = Blocks.of([aux.slot_address(room.slot)], [dst], [HEADER_BYTES + len(payload)])
+        blocks = Blocks.of([aux.slot_address(w.aux_slot)], [dst], [HEADER_BYTES + len(payload)])
         w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.port.submit(w.job)
 
@@ -603,7 +675,7 @@ class PrefillService(RoomService):
         req = w.request
         return AuxRecord(
             room=room_of(room.id), leg=req.leg, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
-            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
+            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE and not w.first_room,
             kv_pages=w.written, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
         )
 
@@ -620,7 +692,7 @@ class PrefillService(RoomService):
             self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
             return
         room.bytes_moved += job.blocks.nbytes
-        self.port.send_peer(w.peer, self._record(room, w, self._aux(room).header(room.slot)))
+        self.port.send_peer(w.peer, self._record(room, w, self._aux(room).header(w.aux_slot)))
 
     def _drained(self, room: Room, w: PrefillWork) -> None:
         """A job of a failed room settled. Once the last one has, and the pump gave up
@@ -646,7 +718,7 @@ class PrefillService(RoomService):
         return len(waiting)
 
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
-        room = self.rooms.get(room_key(msg.room, prefill_rank_of(msg.leg)))
+        room = self.rooms.get(self._leg_key(msg.room, msg.leg))
         if self.work[room.id].peer != peer.identity:
             raise errors.BadMessage(f"room {msg.room} belongs to another decode daemon", room=msg.room, side=errors.Side.PEER)
         if room.state.value != "transferring":
@@ -655,7 +727,7 @@ class PrefillService(RoomService):
         self.succeed(room, Event.DONE)
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
-        key = room_key(msg.room, prefill_rank_of(msg.leg))
+        key = self._leg_key(msg.room, msg.leg)
         room = self.rooms.find(key)
         w = self.work.get(key)
         if w is not None and w.peer and w.peer != peer.identity:
@@ -759,10 +831,45 @@ class PrefillService(RoomService):
         if not room_id:
             return []
         if isinstance(msg, RoomAccepted):  # one answer for every rank of the room
-            keys = {room_key(room_id, lane.code) for lane in self.lanes}
-        else:
-            keys = {room_key(room_id, prefill_rank_of(getattr(msg, "leg", 0)))}
-        return [room for key in keys if (room := self.rooms.find(key)) is not None]
+            firsts = [room for lane in self.lanes if (room := self.rooms.find(room_key(room_id, lane.code))) is not None]
+            return list({room.id: room for first in firsts for room in self._group(first)}.values())
+        room = self.rooms.find(self._leg_key(room_id, getattr(msg, "leg", 0)))
+        return [room] if room is not None else []
+
+    # --- a prefill rank's room in parts (fan-out): one status for its engine
+
+    def status(self, room: Room, req: int = 0) -> RoomStatus:
+        """What the engine hears of its room: of every part, when it writes to several
+        decode ranks. Failed if one part failed (fenced once all are), Success once all
+        are, else the least advanced part's state."""
+        group = self._group(room)
+        first = group[0]
+        if len(group) == 1:
+            return super().status(first, req)
+        failed = [part for part in group if part.state is RoomState.FAILED]
+        pages, skip = self.room_pages(first)
+        if failed:
+            fenced = all(part.finished and part.fenced for part in group)
+            return RoomStatus(req=req, room=room_of(first.id), state=RoomState.FAILED, code=failed[0].code, reason=failed[0].reason,
+                              fenced=fenced, pages=pages, skip_pages=skip)
+        order = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS)
+        state = min((part.state for part in group), key=order.index)
+        return RoomStatus(req=req, room=room_of(first.id), state=state, fenced=state is RoomState.SUCCESS, pages=pages, skip_pages=skip)
+
+    def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
+        """A part failing fails the others: the engine's room as a whole failed."""
+        if not super().fail(room, code, reason):
+            return False
+        for part in self._group(room):
+            if part is not room:
+                super().fail(part, code, f"{reason} (the part for another decode rank)")
+        return True
+
+    def drop(self, room: Room) -> None:
+        """The engine's room goes: every finished part of it (a live one goes when it fails)."""
+        for part in self._group(room):
+            if part is room or part.finished:
+                super().drop(part)
 
     def forget(self, room: Room) -> None:
         w = self.work.pop(room.id, None)
