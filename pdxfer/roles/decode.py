@@ -173,9 +173,7 @@ class PendingRequest:
     leaves for the prefill daemon (A5)."""
 
     link: PrefillLink
-    lanes: set[int]  # lanes that expected the room
     legs: list[LegRequest]
-    due: float
 
 
 class DecodeService(RoomService):
@@ -261,14 +259,12 @@ class DecodeService(RoomService):
         key = (link.endpoint, room_id)
         pending = self.pending.get(key)
         if pending is None:
-            wait = self.config.expect_batch_ms / 1000
-            self.pending[key] = pending = PendingRequest(link, set(), [], self.clock() + wait)
-            if self._siblings(lane) != {lane.index}:
-                self.port.later(wait, lambda: self._flush(key, pending))
-        pending.lanes.add(lane.index)
+            self.pending[key] = pending = PendingRequest(link, [])
         pending.legs.extend(legs)
-        if pending.lanes >= self._siblings(lane):
+        if all(self.rooms.find(room_key(room_id, self.lanes[i].code)) is not None for i in self._siblings(lane)):
             self._flush(key, pending)
+        elif len(pending.legs) == len(legs):  # the first rank's: the others have expect_batch_ms to follow
+            self.port.later(self.config.expect_batch_ms / 1000, lambda: self._flush(key, pending))
 
     def _siblings(self, lane: Lane) -> set[int]:
         """The registered lanes of ``lane``'s engine and DP rank: every one expects each of its rooms."""

@@ -100,7 +100,6 @@ def test_an_expect_opens_a_link_says_hello_and_holds_the_request_until_the_prefi
     assert port.links == [("open", ENDPOINT)]
     hello = service.hello()
     assert (hello.name, hello.sessions, hello.session, hello.probe_base) == ("host/d", DECODE_SESSIONS, DECODE_SESSIONS[0], DST_PROBE)
-    lane = service.lanes[0]
     assert [(lane.index, lane.aux_base, lane.region_bases) for lane in hello.lanes] == [(0, service.lanes[0].aux.memory.address, (service.lanes[0].kv.buffers[0].address,))]
     assert port.take() == [("link", ENDPOINT, hello)]  # the request waits: its leave to write needs the prefill's clock
 
