@@ -99,14 +99,18 @@ class DecodePeer:
     identity: bytes
     hello: PeerHello
     last_heard: float
-    lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index
-
-    def __post_init__(self) -> None:
-        self.lanes = {lane.index: lane for lane in self.hello.lanes}
+    lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index (from hello)
     rooms: set[int] = field(default_factory=set)
     draining: bool = False
     skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
     writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
+
+    def __post_init__(self) -> None:
+        self.said(self.hello)
+
+    def said(self, hello: PeerHello) -> None:
+        """Its latest hello: where each of its ranks' memory is now."""
+        self.hello, self.lanes = hello, {lane.index: lane for lane in hello.lanes}
 
     @property
     def label(self) -> str:
@@ -382,8 +386,8 @@ class PrefillService(RoomService):
             self.peers[identity] = peer = DecodePeer(identity, hello, self.clock())
             log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation, extra={"peer": hello.session})
         else:
-            old, peer.hello = peer.hello, hello
-            peer.lanes = {lane.index: lane for lane in hello.lanes}
+            old = peer.hello
+            peer.said(hello)
             moved = {lane.index: lane.memory_version for lane in old.lanes} != {lane.index: lane.memory_version for lane in hello.lanes}
             if moved:
                 self._peer_relocated(peer, old)
