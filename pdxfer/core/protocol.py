@@ -359,6 +359,9 @@ class Send(Message, tag="send"):
     generation: Count = 0
     aux_bytes: Count = 0  # payload bytes of the aux record in the slot
     release_when_settled: bool = False
+    # A CUDA IPC event handle (cudaIpcEventHandle_t, 64 bytes) the engine recorded after the
+    # work that wrote this chunk's pages: the daemon writes them once it completed.
+    cuda_event: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Expect(Message, tag="expect"):

@@ -46,6 +46,7 @@ from .registry import DaemonRecord, Registry
 log = logging.getLogger("pdxfer.daemon")
 
 TICK_SECONDS = 0.05
+EVENT_POLL_SECONDS = 0.0002  # how often a chunk's CUDA event is asked whether it completed
 DRAIN_SETTLE = 2.0  # seconds a drain waits for the writes of the rooms it failed
 
 
@@ -611,6 +612,34 @@ class PrefillDaemonPort(DaemonPort):
 
     def cancel(self, job: Job) -> None:
         self._daemon.pump.cancel(job)
+
+    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        """Polled on the loop's thread (the device is current there, D1) every
+        EVENT_POLL_SECONDS: the chunk waits, the loop does not."""
+        if paths.device_kind(self._daemon.config.device) != "cuda":
+            done(f"this daemon runs on {self._daemon.config.device}, not a CUDA device: send() a CUDA event only to a daemon started with --device cuda:N")
+            return
+        try:
+            event = memory.CudaIpcEvent(handle)
+        except PdxferError as exc:
+            done(exc.message)
+            return
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            try:
+                finished = event.done()
+            except PdxferError as exc:
+                event.close()
+                done(exc.message)
+                return
+            if finished:
+                event.close()
+                done("")
+            else:
+                loop.call_later(EVENT_POLL_SECONDS, check)
+
+        check()
 
 
 class DecodeDaemonPort(DaemonPort):

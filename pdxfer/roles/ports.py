@@ -69,6 +69,10 @@ class PrefillPort(Port, Protocol):
     def cancel(self, job: Job) -> None:
         """Submit no more of ``job``; its ``on_done`` still waits for what is in flight."""
 
+    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        """Call ``done("")`` once the CUDA event ``handle`` (an IPC handle from the engine)
+        completed, or ``done(reason)`` when it cannot be opened or waited on."""
+
 
 class DecodePort(Port, Protocol):
     """A decode daemon opens one link per prefill daemon, and may find them by name."""

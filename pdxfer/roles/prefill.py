@@ -24,6 +24,7 @@ writer's destination after a bound of its own.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import zlib
@@ -122,7 +123,7 @@ class DecodePeer:
         return self.hello.sessions or (self.hello.session,)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Chunk:
     """A piece of a room's input as the engine handed it over (send)."""
 
@@ -132,12 +133,13 @@ class Chunk:
     num_tokens: int
     aux_bytes: int
     release_when_settled: bool
+    waiting: bool = False  # for its CUDA event: the work that writes its pages has not completed yet
 
 
 @dataclass(eq=False)
 class PrefillWork:
     engine: bytes = b""  # the engine connection that announced or sent the room
-    chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, source pages) not written yet
+    chunks: list[Chunk] = field(default_factory=list)  # handed over, not written yet
     first: int = -1  # the first chunk's first position (-1: no chunk yet)
     end: int = 0  # where the chunks handed over so far end
     last: bool = False  # the last chunk is in
@@ -235,7 +237,9 @@ class PrefillService(RoomService):
                 raise
             for part in self._group(room):
                 self.work[part.id].aux_slot = msg.slot
-        chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled)
+        chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled, waiting=bool(msg.cuda_event))
+        if msg.cuda_event:
+            self.port.after_event(msg.cuda_event, lambda error: self._event_done(room.id, chunk, error))
         w.engine, w.memory_version = identity, msg.memory_version
         self._hand_over(room, w, chunk)
         for fan in self._fans(room):
@@ -250,8 +254,23 @@ class PrefillService(RoomService):
         if w.first < 0:
             w.first = chunk.first_page
         w.end = chunk.first_page + chunk.pages.size
-        w.chunks.append((chunk.first_page, chunk.pages))
+        w.chunks.append(chunk)
         w.handed.append(chunk)
+
+    def _event_done(self, key: int, chunk: Chunk, error: str) -> None:
+        """A chunk's CUDA event completed (its pages hold their KV now), or cannot be waited on."""
+        chunk.waiting = False
+        room = self.rooms.find(key)
+        if room is None:
+            return
+        for part in self._group(room):
+            w = self.work[part.id]
+            if part.finished or chunk not in w.chunks:
+                continue
+            if error:
+                self.fail(part, ErrorCode.TRANSFER_FAILED, f"the CUDA event of the chunk at position {chunk.first_page}: {error}")
+            elif w.started:
+                self._write_chunks(part, w)
 
     def _hand_over(self, room: Room, w: PrefillWork, chunk: Chunk) -> None:
         """A chunk of the room's input: written at once if the room has started, else it
@@ -559,9 +578,9 @@ class PrefillService(RoomService):
         """A room handed over in one chunk whose KV is small enough to ride its aux record:
         its source pages (checked, as the last chunk's are) and their bytes; else None. A
         chunked room is written as it comes."""
-        if not (w.last and len(w.chunks) == 1):
+        if not (w.last and len(w.chunks) == 1) or w.chunks[0].waiting:
             return None
-        kept, _ = chunk_pages(*w.chunks[0], w.request.skip_pages, w.dst_pages, room_of(room.id))
+        kept, _ = chunk_pages(w.chunks[0].first_page, w.chunks[0].pages, w.request.skip_pages, w.dst_pages, room_of(room.id))
         nbytes = kept.size * kv.page_bytes
         if not paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes):
             return None
@@ -589,12 +608,13 @@ class PrefillService(RoomService):
                 raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
             if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
                 self._check_end(room, w)
-            planned = [chunk_pages(first, src, req.skip_pages, w.dst_pages, room_of(room.id)) for first, src in w.chunks]
+            ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
+            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, w.dst_pages, room_of(room.id)) for chunk in ready]
             blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
-        w.chunks.clear()
+        del w.chunks[: len(ready)]
         if not req.real:  # a dummy leg: this rank's part is over once its input is
             if w.last:
                 self.succeed(room, Event.DONE)

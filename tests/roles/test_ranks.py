@@ -191,3 +191,43 @@ def test_a_failed_part_fails_the_prefill_ranks_whole_room():
     assert sorted((m.leg, m.fenced) for m in told) == [(0, True), (1, True)]
     final = [m for kind, _, m in sent if isinstance(m, RoomStatus)][-1]
     assert (final.state, final.code, final.fenced) == (F, ErrorCode.ABORTED, True)
+
+
+# --- a chunk that waits for its CUDA event
+
+
+def test_a_chunk_waits_for_its_cuda_event_and_later_chunks_wait_behind_it():
+    """A11: the engine hands a chunk over with the IPC handle of an event recorded after
+    the work that wrote its pages; nothing of it (nor of the chunks after it) is written
+    before the daemon sees the event complete."""
+    service = prefill()
+    port = service.port
+    hello(service)
+    call(service, Announce(req=0, room=7))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=7, legs=(leg(0, 0, [5, 6]),), lease_ms=30_000)))
+    slot = grant(service)
+    call(service, Send(req=10, room=7, pages=pages_to_bytes([1]), memory_version=1, first_page=0, last=False, cuda_event=b"e" * 64))
+    call(service, Send(req=10, room=7, pages=pages_to_bytes([2]), memory_version=1, first_page=1, last=True, num_tokens=8,
+                       slot=slot.slot, generation=slot.generation))
+    assert port.submitted == []  # the first chunk's event has not completed, and the second waits behind it
+    ((handle, done),) = port.events
+    assert handle == b"e" * 64
+    done("")
+    base = service.peers[DECODE].lanes[0].region_bases[0]
+    assert sorted(int(job.blocks.dst[0]) for job in port.submitted) == [base + 5 * PAGE_BYTES, base + 6 * PAGE_BYTES]
+
+
+def test_a_cuda_event_that_cannot_be_waited_on_fails_the_room():
+    service = prefill()
+    hello(service)
+    call(service, Announce(req=0, room=8))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=8, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    slot = grant(service)
+    call(service, Send(req=10, room=8, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation, cuda_event=b"e" * 64))
+    ((_, done),) = service.port.events
+    done("this daemon runs on cpu, not a CUDA device")
+    room = service.rooms.get(8)
+    assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED)
+    assert "CUDA event" in room.reason and "not a CUDA device" in room.reason
+    assert service.port.submitted == []
