@@ -398,6 +398,11 @@ class PrefillService(RoomService):
             self.port.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
             log.warning("refused decode daemon %s: %s", hello.session, reason, extra={"peer": hello.session})
             return
+        refusal = self._page_size_refusal(hello)
+        if refusal:
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=refusal))
+            log.warning("refused decode daemon %s: %s", hello.session, refusal, extra={"peer": hello.session})
+            return
         peer = self.peers.get(identity)
         if peer is None:
             for old in [p for p in self.peers.values() if hello.name and p.hello.name == hello.name]:
@@ -411,6 +416,16 @@ class PrefillService(RoomService):
             if moved:
                 self._peer_relocated(peer, old)
         self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
+
+    def _page_size_refusal(self, hello: PeerHello) -> str:
+        """A9: pages are moved whole, so a decode rank whose page size no rank here has
+        is refused at the handshake, naming both (the other fields are checked per leg)."""
+        ours = sorted({lane.kv.spec.page_size for lane in self.lanes if lane.ready})
+        theirs = sorted({lane.compat.page_size for lane in hello.lanes if lane.compat.page_size not in ours})
+        if not ours or not theirs:
+            return ""
+        return (f"incompatible KV layout: page_size: prefill={ours[0] if len(ours) == 1 else ours!r} decode={theirs[0] if len(theirs) == 1 else theirs!r}: "
+                "pdxfer moves whole pages; run both sides with the same page size")
 
     def _peer_relocated(self, peer: DecodePeer, old: PeerHello) -> None:
         """C3: rooms whose blocks were planned against a destination lane's old memory fail."""

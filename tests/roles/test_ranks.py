@@ -17,6 +17,7 @@ from pdxfer.core.protocol import (
     ErrorCode,
     Expect,
     LegRequest,
+    PeerRefused,
     PeerWelcome,
     Rank,
     Role,
@@ -231,3 +232,16 @@ def test_a_cuda_event_that_cannot_be_waited_on_fails_the_room():
     assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED)
     assert "CUDA event" in room.reason and "not a CUDA device" in room.reason
     assert service.port.submitted == []
+
+
+def test_a_decode_with_another_page_size_is_refused_at_the_handshake():
+    """A9: pages move whole; the refusal names both page sizes, and the decode daemon is
+    not taken as a peer."""
+    service = prefill()
+    (lane,) = decode_hello().lanes
+    other = replace(lane, compat=replace(lane.compat, page_size=lane.compat.page_size * 2))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(decode_hello(lanes=(other,))))
+    (refusal,) = [m for _, _, m in service.port.take() if isinstance(m, PeerRefused)]
+    assert refusal.code is ErrorCode.COMPAT_MISMATCH
+    assert f"page_size: prefill={lane.compat.page_size} decode={2 * lane.compat.page_size}" in refusal.reason
+    assert DECODE not in service.peers
