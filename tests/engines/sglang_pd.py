@@ -19,7 +19,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tests.engines.procs import REPO_ROOT, Worker
 from tests.engines.prompts import Request
@@ -173,14 +173,17 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 extra_plugins: dict[str, str] | None = None,
                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
                 engine_args: dict | None = None, decode_radix_cache: bool = True,
-                room_seed: int = 1) -> PDRun:
+                room_seed: int = 1, before_wave: Callable[[int], None] | None = None, op: str = "generate") -> PDRun:
     """A prefill and a decode engine, each in its own process, with
     ``disaggregation_transfer_backend=backend``; each wave's requests go to both at
     once, with the prefill's bootstrap address and a fresh room each. ``plugins``
     name test plugins (`PLUGIN_ENTRY_POINTS`), ``extra_plugins`` more entry points
     (name → ``module:function``), e.g. a backend's. ``decode_radix_cache`` turns on
     the decode's radix cache (off by default in SGLang, "experimental"): a request
-    whose prefix the decode holds gets only the rest from the prefill."""
+    whose prefix the decode holds gets only the rest from the prefill.
+    ``before_wave(i)`` runs before wave i is sent (a fault test kills or restarts a
+    daemon there). ``op="generate_each"`` (`sglang_worker`) lets a request fail alone:
+    its answer is then ``{"error": ...}`` and its tokens None."""
     kvargs_dir = os.path.join(workdir, "kvargs")
     log_dir = os.path.join(workdir, "transfer-log")
     os.makedirs(kvargs_dir, exist_ok=True)
@@ -207,7 +210,9 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
         prefill.ready(START_TIMEOUT)
         decode.ready(START_TIMEOUT)
         tokens, prefill_outputs, decode_outputs, wave_rooms = [], [], [], []
-        for wave in waves:
+        for i, wave in enumerate(waves):
+            if before_wave is not None:
+                before_wave(i)
             wave_rooms.append([rooms.randrange(1, 2**63) for _ in wave])
             batch = {
                 "input_ids": [list(r.input_ids) for r in wave],
@@ -216,13 +221,13 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 "bootstrap_port": [bootstrap_port] * len(wave),
                 "bootstrap_room": wave_rooms[-1],
             }
-            prefill.submit("generate", **batch)
-            decode.submit("generate", **batch)
+            prefill.submit(op, **batch)
+            decode.submit(op, **batch)
             p_out = prefill.result(GENERATE_TIMEOUT, "prefilling a wave")
             d_out = decode.result(GENERATE_TIMEOUT, "decoding a wave")
             prefill_outputs.append(p_out)
             decode_outputs.append(d_out)
-            tokens.append([o["output_ids"] for o in d_out])
+            tokens.append([o.get("output_ids") for o in d_out])
     finally:
         _stop([decode, prefill])
     kvargs, calls = {}, []

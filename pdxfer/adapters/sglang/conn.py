@@ -9,7 +9,9 @@ pdxfer's: each rank's ``/route`` row names its pdxfer daemon's bootstrap endpoin
 instead of a ZMQ socket; the prefill announces a room when its sender is made, learns the
 decode's prefix from the pushed status and sends each chunk as SGLang hands it over; the
 decode expects the room into its pages and its aux slot. Every status SGLang polls comes
-from those the daemon pushed; a failed room reads as failed only once it is fenced.
+from those the daemon pushed. A failed room reads as failed once no write for it can land;
+on the decode, with SGLang's deferred release on (its default), at once, SGLang then
+holding the room's pages until pdxfer fences it.
 
 SGLang's metadata rows travel as the room's aux record (B5 v1): the prefill copies the
 room's row of every metadata buffer into its aux slot with the last chunk, the decode
@@ -276,7 +278,9 @@ class PdxferKVReceiver(CommonKVReceiver):
                 return
             self._record_in = True
             mgr.update_status(room, KVPoll.Success)
-        elif status.state is RoomState.FAILED and status.fenced:
+        elif status.state is RoomState.FAILED and (status.fenced or mgr.enable_deferred_decode_kv_release):
+            # Unfenced, the request fails now all the same: SGLang holds its pages and
+            # row (deferred release) until is_abort_release_safe says pdxfer fenced it.
             mgr.record_failure(room, _failure(status))
             mgr.update_status(room, KVPoll.Failed)
 

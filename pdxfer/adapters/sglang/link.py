@@ -108,6 +108,9 @@ class Link:
             raise
         if welcome.bootstrap:
             host, _, port = welcome.bootstrap.rpartition("//")[2].rpartition(":")
+            if self.bootstrap[1] and self.bootstrap != (host, int(port)):
+                log.error("pdxfer prefill daemon at %s came back with bootstrap %s:%s, not %s:%d as SGLang's /route row says: "
+                          "decode servers cannot reach it; restart it with --bootstrap-port %d", self.endpoint, host, port, *self.bootstrap, self.bootstrap[1])
             self.bootstrap = (host, int(port))
         self._client = client
         log.info("pdxfer %s daemon at %s: connected, KV and aux registered", self.role.value, self.endpoint)
@@ -117,7 +120,7 @@ class Link:
         there is none."""
         if self._client is None:
             if self._clock() < self._retry_at:
-                raise errors.DaemonGone(f"the daemon at {self.endpoint} is gone; trying again shortly")
+                raise errors.DaemonGone(f"the daemon at {self.endpoint} went away; connecting again every {RECONNECT_SECONDS:g}s")
             self._retry_at = self._clock() + RECONNECT_SECONDS
             self._connect()
         return self._client
@@ -128,7 +131,7 @@ class Link:
             self._client.close()
             self._client = None
             self._retry_at = self._clock() + RECONNECT_SECONDS
-        reason = f"the pdxfer daemon at {self.endpoint} went away: {exc}"
+        reason = exc.message
         for room in self._rooms:
             self._lost[room] = RoomStatus(req=0, room=room, state=RoomState.FAILED, code=ErrorCode.PEER_UNREACHABLE, reason=reason, fenced=True)
         self._rooms.clear()
