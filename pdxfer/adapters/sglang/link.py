@@ -25,7 +25,6 @@ from .layout import Registration
 
 log = logging.getLogger("pdxfer.sglang")
 
-ENDPOINT_ENV = "PDXFER_ENDPOINT"
 RECONNECT_SECONDS = 1.0
 SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not one per room
 
@@ -33,8 +32,8 @@ SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not
 def daemon_endpoint(role: str, env=os.environ) -> str:
     """Where this rank's daemon listens: $PDXFER_ENDPOINT, else where a daemon of this
     role beside it listens, read from the same PDXFER_* settings ``pdxfer serve`` reads."""
-    if env.get(ENDPOINT_ENV):
-        return env[ENDPOINT_ENV]
+    if env.get(config.ENDPOINT_ENV):
+        return env[config.ENDPOINT_ENV]
     return config.load({"role": role}, env=env).engine_address
 
 
@@ -94,7 +93,7 @@ class Link:
             except errors.PdxferError as exc:
                 raise RuntimeError(
                     f"pdxfer: no usable {self.role.value} daemon at {self.endpoint} ({exc}); start one beside this "
-                    f"server (pdxfer serve --role {self.role.value}) or point {ENDPOINT_ENV} at it"
+                    f"server (pdxfer serve --role {self.role.value}) or point {config.ENDPOINT_ENV} at it"
                 ) from exc
 
     def _connect(self) -> None:
