@@ -183,7 +183,8 @@ class PdxferKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Failed)
 
     def forget(self, room: int) -> None:
-        """SGLang is done with the room: stop it if it is still live, let the daemon recycle it."""
+        """SGLang is done with the room: stop it if it is still live, let the daemon
+        recycle it once no write for it can land (Link.release)."""
         if not self.link.quiet(room):
             self.link.abort(room, "SGLang dropped the request")
         self.link.release(room)
@@ -192,6 +193,7 @@ class PdxferKVManager(CommonKVManager):
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """A held decode room's pages may be reused once pdxfer says no write can land."""
+        self.link.tidy()
         return self.link.quiet(bootstrap_room)
 
 
@@ -260,6 +262,7 @@ class PdxferKVReceiver(CommonKVReceiver):
         self.init_time = time.time()
 
     def _poll(self) -> KVPoll:
+        self.kv_mgr.link.tidy()
         if self.conclude_state is None and self.aux_index is not None:
             self._absorb()
         return super()._poll()

@@ -202,7 +202,7 @@ class Link:
             return self._client.aux.read(self._rooms[room], room)
 
     def quiet(self, room: int) -> bool:
-        """Whether no write for ``room`` can land any more: never posted, settled, or lost."""
+        """Whether no write for ``room`` can land any more: never posted, released, settled, or lost."""
         status = self.status(room)
         if status is None:
             with self._lock:
@@ -232,6 +232,12 @@ class Link:
                 log.debug("abort of room %d: %s", room, exc)
 
     def release(self, room: int) -> None:
+        """Recycle ``room`` once no write for it can land: now if none can, else when it
+        settles (`tidy`). Until then `quiet` says no: SGLang clears a failed decode room
+        (failure_exception) before its deferred release asks whether the pages are safe."""
+        if not self.quiet(room):
+            self.drop(room)
+            return
         with self._lock:
             self._lost.pop(room, None)
             self._dropping.discard(room)
