@@ -183,6 +183,39 @@ def test_a_room_through_the_links_as_the_backend_drives_it(daemons):
 
 
 @needs_mooncake
+def test_a_failed_room_released_before_its_fence_stays_unsafe_until_the_fence(daemons):
+    """SGLang clears a failed decode receiver (failure_exception) before its deferred
+    release asks is_abort_release_safe (Link.quiet): the release waits for the fence,
+    and until then the room's pages are not safe. Here the prefill daemon stands still
+    (SIGSTOP) as the decode aborts, so it confirms nothing is in flight only once resumed."""
+    import signal
+
+    prefill_daemon, decode_daemon = daemons("prefill"), daemons("decode")
+    prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
+    room = 4343
+    try:
+        prefill.link.announce(room)
+        host, port = prefill.link.bootstrap
+        decode.link.expect(room, f"{host}:{port}", [20, 21], skip_pages=0)
+        wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        prefill_daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            decode.link.abort(room, "aborted by SGLang")
+            status = wait_for(decode.link, room, RoomState.FAILED)
+            assert not status.fenced
+            decode.link.release(room)  # what SGLang's failure_exception -> clear() does
+            assert not decode.link.quiet(room) and not decode.link.status(room).fenced
+        finally:
+            prefill_daemon.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: decode.link.quiet(room))
+        decode.link.tidy()  # as the next poll does: the fenced room goes back to the daemon
+        assert decode.link.status(room) is None and decode.link.quiet(room)
+    finally:
+        prefill.link.close()
+        decode.link.close()
+
+
+@needs_mooncake
 def test_a_daemon_that_went_away_fails_its_rooms_fenced_and_is_connected_to_again(daemons, runtime_dir):
     prefill_daemon = daemons("prefill")
     prefill = Engine(prefill_daemon, Role.PREFILL)

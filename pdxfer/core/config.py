@@ -23,6 +23,9 @@ from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
 ENV_PREFIX = "PDXFER_"
+# Read by engines beside a daemon (their daemon's engine endpoint, pdxfer.adapters), never
+# by the daemon: one environment may serve both, so load() passes over it.
+ENDPOINT_ENV = ENV_PREFIX + "ENDPOINT"
 INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
 TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
 TCP_ENGINES = 2  # default of tcp_engines (pdxfer bench reports what its baseline runs)
@@ -205,7 +208,7 @@ def load(
         for name, (value, where) in read_toml(path, names).items():
             values[name], origins[name] = value, where
     for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in (ENV_PREFIX + "CONFIG", ENDPOINT_ENV):
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in names:

@@ -9,7 +9,9 @@ pdxfer's: each rank's ``/route`` row names its pdxfer daemon's bootstrap endpoin
 instead of a ZMQ socket; the prefill announces a room when its sender is made, learns the
 decode's prefix from the pushed status and sends each chunk as SGLang hands it over; the
 decode expects the room into its pages and its aux slot. Every status SGLang polls comes
-from those the daemon pushed; a failed room reads as failed only once it is fenced.
+from those the daemon pushed. A failed room reads as failed once no write for it can land;
+on the decode, with SGLang's deferred release on (its default), at once, SGLang then
+holding the room's pages until pdxfer fences it.
 
 SGLang's metadata rows travel as the room's aux record (B5 v1): the prefill copies the
 room's row of every metadata buffer into its aux slot with the last chunk, the decode
@@ -181,7 +183,8 @@ class PdxferKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Failed)
 
     def forget(self, room: int) -> None:
-        """SGLang is done with the room: stop it if it is still live, let the daemon recycle it."""
+        """SGLang is done with the room: stop it if it is still live, let the daemon
+        recycle it once no write for it can land (Link.release)."""
         if not self.link.quiet(room):
             self.link.abort(room, "SGLang dropped the request")
         self.link.release(room)
@@ -190,6 +193,7 @@ class PdxferKVManager(CommonKVManager):
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """A held decode room's pages may be reused once pdxfer says no write can land."""
+        self.link.tidy()
         return self.link.quiet(bootstrap_room)
 
 
@@ -258,6 +262,7 @@ class PdxferKVReceiver(CommonKVReceiver):
         self.init_time = time.time()
 
     def _poll(self) -> KVPoll:
+        self.kv_mgr.link.tidy()
         if self.conclude_state is None and self.aux_index is not None:
             self._absorb()
         return super()._poll()
@@ -276,7 +281,9 @@ class PdxferKVReceiver(CommonKVReceiver):
                 return
             self._record_in = True
             mgr.update_status(room, KVPoll.Success)
-        elif status.state is RoomState.FAILED and status.fenced:
+        elif status.state is RoomState.FAILED and (status.fenced or mgr.enable_deferred_decode_kv_release):
+            # Unfenced, the request fails now all the same: SGLang holds its pages and
+            # row (deferred release) until is_abort_release_safe says pdxfer fenced it.
             mgr.record_failure(room, _failure(status))
             mgr.update_status(room, KVPoll.Failed)
 

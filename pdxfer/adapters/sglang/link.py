@@ -25,7 +25,6 @@ from .layout import Registration
 
 log = logging.getLogger("pdxfer.sglang")
 
-ENDPOINT_ENV = "PDXFER_ENDPOINT"
 RECONNECT_SECONDS = 1.0
 SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not one per room
 
@@ -33,8 +32,8 @@ SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not
 def daemon_endpoint(role: str, env=os.environ) -> str:
     """Where this rank's daemon listens: $PDXFER_ENDPOINT, else where a daemon of this
     role beside it listens, read from the same PDXFER_* settings ``pdxfer serve`` reads."""
-    if env.get(ENDPOINT_ENV):
-        return env[ENDPOINT_ENV]
+    if env.get(config.ENDPOINT_ENV):
+        return env[config.ENDPOINT_ENV]
     return config.load({"role": role}, env=env).engine_address
 
 
@@ -94,7 +93,7 @@ class Link:
             except errors.PdxferError as exc:
                 raise RuntimeError(
                     f"pdxfer: no usable {self.role.value} daemon at {self.endpoint} ({exc}); start one beside this "
-                    f"server (pdxfer serve --role {self.role.value}) or point {ENDPOINT_ENV} at it"
+                    f"server (pdxfer serve --role {self.role.value}) or point {config.ENDPOINT_ENV} at it"
                 ) from exc
 
     def _connect(self) -> None:
@@ -108,6 +107,9 @@ class Link:
             raise
         if welcome.bootstrap:
             host, _, port = welcome.bootstrap.rpartition("//")[2].rpartition(":")
+            if self.bootstrap[1] and self.bootstrap != (host, int(port)):
+                log.error("pdxfer prefill daemon at %s came back with bootstrap %s:%s, not %s:%d as SGLang's /route row says: "
+                          "decode servers cannot reach it; restart it with --bootstrap-port %d", self.endpoint, host, port, *self.bootstrap, self.bootstrap[1])
             self.bootstrap = (host, int(port))
         self._client = client
         log.info("pdxfer %s daemon at %s: connected, KV and aux registered", self.role.value, self.endpoint)
@@ -117,7 +119,7 @@ class Link:
         there is none."""
         if self._client is None:
             if self._clock() < self._retry_at:
-                raise errors.DaemonGone(f"the daemon at {self.endpoint} is gone; trying again shortly")
+                raise errors.DaemonGone(f"the daemon at {self.endpoint} went away; connecting again every {RECONNECT_SECONDS:g}s")
             self._retry_at = self._clock() + RECONNECT_SECONDS
             self._connect()
         return self._client
@@ -128,7 +130,7 @@ class Link:
             self._client.close()
             self._client = None
             self._retry_at = self._clock() + RECONNECT_SECONDS
-        reason = f"the pdxfer daemon at {self.endpoint} went away: {exc}"
+        reason = exc.message
         for room in self._rooms:
             self._lost[room] = RoomStatus(req=0, room=room, state=RoomState.FAILED, code=ErrorCode.PEER_UNREACHABLE, reason=reason, fenced=True)
         self._rooms.clear()
@@ -200,7 +202,7 @@ class Link:
             return self._client.aux.read(self._rooms[room], room)
 
     def quiet(self, room: int) -> bool:
-        """Whether no write for ``room`` can land any more: never posted, settled, or lost."""
+        """Whether no write for ``room`` can land any more: never posted, released, settled, or lost."""
         status = self.status(room)
         if status is None:
             with self._lock:
@@ -230,6 +232,12 @@ class Link:
                 log.debug("abort of room %d: %s", room, exc)
 
     def release(self, room: int) -> None:
+        """Recycle ``room`` once no write for it can land: now if none can, else when it
+        settles (`tidy`). Until then `quiet` says no: SGLang clears a failed decode room
+        (failure_exception) before its deferred release asks whether the pages are safe."""
+        if not self.quiet(room):
+            self.drop(room)
+            return
         with self._lock:
             self._lost.pop(room, None)
             self._dropping.discard(room)
