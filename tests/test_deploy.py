@@ -352,7 +352,7 @@ def worker(overlay, name) -> Worker:
 
 
 def test_every_overlay_is_tested():
-    assert {"prefill", "decode", "rdma", "demo-cpu", "per-node-prefill", "per-node-decode"} <= set(OVERLAYS)
+    assert {"prefill", "decode", "rdma", "demo-cpu", "per-node-prefill", "per-node-decode", "per-node-rdma"} <= set(OVERLAYS)
     assert NODES and ENGINES, "the per-node overlays run node daemons and engines"
 
 
@@ -747,7 +747,7 @@ def test_engines_reach_their_node_daemon(overlay, worker):
 @pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_rdma_workers_ask_for_an_rdma_device(overlay, worker):
     if worker.config().protocol != "rdma":
-        assert overlay != "rdma", "the rdma overlay must set PDXFER_PROTOCOL=rdma"
+        assert "rdma" not in overlay, f"the {overlay} overlay must set PDXFER_PROTOCOL=rdma"
         return
     for section in ("requests", "limits"):
         assert any(k.startswith("rdma/") for k in worker.daemon.get("resources", {}).get(section, {})), (
