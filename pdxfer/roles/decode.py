@@ -284,6 +284,9 @@ class DecodeService(RoomService):
         )
         if link.offsets:
             self.port.send_link(link.endpoint, request)
+        elif room_id in link.held:  # a later rank's legs join those already waiting for the welcome
+            held = link.held[room_id]
+            link.held[room_id] = msgspec.structs.replace(held, legs=held.legs + request.legs)
         else:  # its leave to write needs the prefill's clock: the welcome brings it
             link.held[room_id] = request
 

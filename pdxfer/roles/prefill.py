@@ -226,7 +226,7 @@ class PrefillService(RoomService):
         if created:
             room = self.rooms.create(key, Role.PREFILL, self.clock())
             self.work[room.id] = w = PrefillWork()
-        room.lane = lane.index
+        self._owned_by(room, lane)
         if msg.last:
             try:
                 self.bind_slot(room, msg.slot, msg.generation)
@@ -245,6 +245,12 @@ class PrefillService(RoomService):
         for fan in self._fans(room):
             self._hand_over(fan, self.work[fan.id], chunk)
         return Ok(req=msg.req)
+
+    def _owned_by(self, room: Room, lane) -> None:
+        """The engine rank that announces or sends the room owns it, and its parts: a room
+        a request made first only guessed its lane (the rank may not have registered)."""
+        for part in self._group(room):
+            part.lane = lane.index
 
     @staticmethod
     def _take(room: Room, w: PrefillWork, chunk: Chunk) -> None:
@@ -297,12 +303,10 @@ class PrefillService(RoomService):
         if room is None:
             room = self.rooms.create(key, Role.PREFILL, self.clock())
             self.work[room.id] = PrefillWork()
-        room.lane = lane.index
-        w = self.work[room.id]
-        w.engine = identity
-        for fan in self._fans(room):
-            self.work[fan.id].engine = identity
-        if room.finished or w.request is not None:
+        self._owned_by(room, lane)
+        for part in self._group(room):
+            self.work[part.id].engine = identity
+        if room.finished or self.work[room.id].request is not None:
             self.push(room, identity)
         return Ok(req=msg.req)
 
@@ -492,7 +496,8 @@ class PrefillService(RoomService):
             raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
         if room is None:
             room = self.rooms.create(key, Role.PREFILL, self.clock(), peer=peer.label)
-            room.lane = next((lane.index for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), 0)  # set again by its send
+            # Its rank's lane if registered (its announce or send names the right one: _owned_by).
+            room.lane = next((lane.index for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), 0)
             self.work[room.id] = PrefillWork()
         w = self.work[room.id]
         w.peer, w.request, w.dst_pages, w.lease_ms = peer.identity, leg, dst.copy(), msg.lease_ms

@@ -245,3 +245,39 @@ def test_a_decode_with_another_page_size_is_refused_at_the_handshake():
     assert refusal.code is ErrorCode.COMPAT_MISMATCH
     assert f"page_size: prefill={lane.compat.page_size} decode={2 * lane.compat.page_size}" in refusal.reason
     assert DECODE not in service.peers
+
+
+def test_requests_held_for_the_prefills_clock_gather_every_ranks_legs():
+    """Rank 0's request left its window before rank 1 expected, but the link had no clock
+    yet: rank 1's legs join the held request instead of replacing it."""
+    service = two_rank_decode(expect_batch_ms=5)
+    expect(service, b"d0", 12, [5], prefill_tp=2)
+    service.port.advance(10)
+    expect(service, b"d1", 12, [6], prefill_tp=2)
+    assert requests(service) == []
+    welcomed(service)
+    (request,) = requests(service)
+    assert sorted(leg.lane for leg in request.legs) == [0, 1]
+
+
+def test_a_room_a_request_made_before_its_rank_registered_writes_from_that_ranks_memory():
+    """TP2 -> TP4: the decode's request for prefill rank 1's legs (to decode ranks 2 and 3)
+    comes while only rank 0 has registered. Once rank 1 announces and sends, both of its
+    room's parts write from rank 1's pool, not the lane guessed before."""
+    service = prefill(registered=False)
+    port = service.port
+    rank(service, b"p0", 0, 2, Role.PREFILL)
+    (lane,) = decode_hello().lanes
+    four = tuple(replace(lane, index=i, rank=Rank(tp=i), region_bases=(lane.region_bases[0] + (i << 32),)) for i in range(4))
+    hello(service, lanes=four)
+    rank1 = (1 << 32)  # prefill rank (pp 0, tp 1) in a leg code's upper half
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=13, legs=(
+        leg(rank1 | 2, 2, [5], generation=1), leg(rank1 | 3, 3, [6], generation=1)), lease_ms=30_000)))
+    rank(service, b"p1", 1, 2, Role.PREFILL)
+    port.take()
+    slot = grant(service, b"p1")
+    call(service, Announce(req=0, room=13), b"p1")
+    call(service, Send(req=10, room=13, pages=pages_to_bytes([4]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation), b"p1")
+    own = service.lanes[1].kv.bases[0]
+    assert sorted(int(job.blocks.src[0]) for job in port.submitted) == [own + 4 * PAGE_BYTES] * 2
