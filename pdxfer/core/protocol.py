@@ -551,6 +551,7 @@ class LegRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     head_count: Count = 0
     dst_head_start: Count = 0
     layers: tuple[Count, Count] = (0, 0)
+    fan_out: Positive = 1  # decode ranks this leg's prefill rank writes to (decode TP / prefill TP, at least 1)
 
     @property
     def carries_aux(self) -> bool:
@@ -569,8 +570,11 @@ class RoomRequest(Message, tag="room_request"):
 
 
 class RoomAccepted(Message, tag="room_accepted"):
+    """Prefill -> decode, once per room request: the legs it took."""
+
     room: RoomId
     input_ready: bool
+    legs: Annotated[tuple[LegCode, ...], msgspec.Meta(max_length=1024)] = ()
 
 
 class TransferStarted(Message, tag="transfer_started"):

@@ -239,6 +239,7 @@ class DecodeService(RoomService):
         except PdxferError as exc:
             raise PdxferError(exc.message, code=exc.code, room=msg.room) from None
         prefill_heads = spec.heads.total if spec.mla else local_heads(spec.heads.total, prefill_tp)
+        fan_out = max(1, lane.sizes.tp // prefill_tp)  # how many decode ranks each prefill rank writes to
         out = []
         for leg in legs:
             whole_heads = leg.head_count == spec.heads.local == prefill_heads
@@ -249,7 +250,7 @@ class DecodeService(RoomService):
                 memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages,
                 real=leg.real, src_head_start=0 if whole_heads else leg.src_head_start,
                 head_count=0 if whole_heads else leg.head_count, dst_head_start=0 if whole_heads else leg.dst_head_start,
-                layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end),
+                layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end), fan_out=fan_out,
             ))
         return out
 
@@ -407,9 +408,10 @@ class DecodeService(RoomService):
         if isinstance(msg, PeerError):
             self._peer_error(link, msg)
             return
-        if isinstance(msg, RoomAccepted):  # one per request: every local rank's room in it
-            for room in self._requested(link, msg.room):
-                self.advance(room, Event.BOOTSTRAPPED)
+        if isinstance(msg, RoomAccepted):  # one per request: the rooms of the legs it took
+            for room in {r.id: r for leg in msg.legs if (r := self._room_of(link, msg.room, leg)) is not None}.values():
+                if room.state is RoomState.BOOTSTRAPPING:  # another leg's request may have been accepted first
+                    self.advance(room, Event.BOOTSTRAPPED)
                 if msg.input_ready:
                     self._started(room)
             return
@@ -468,15 +470,6 @@ class DecodeService(RoomService):
         if room is None or room.peer != link.endpoint or leg not in self.work[room.id].legs:
             return None
         return room
-
-    def _requested(self, link: PrefillLink, room_id: int) -> list[Room]:
-        """Every local rank's room of ``room_id`` with this link (one request carried them all)."""
-        rooms = {}
-        for lane in self.lanes:
-            room = self.rooms.find(room_key(room_id, lane.code))
-            if room is not None and room.peer == link.endpoint:
-                rooms[room.id] = room
-        return list(rooms.values())
 
     def _peer_error(self, link: PrefillLink, msg: PeerError) -> None:
         log.warning("prefill %s reported %s: %s", link.endpoint, msg.code.value, msg.message, extra={"room": msg.room or None, "peer": link.endpoint})

@@ -456,7 +456,7 @@ class PrefillService(RoomService):
         if not taken:
             return
         ready = [(room, w) for room, w in taken if room.state is RoomState.TRANSFERRING]
-        accept = RoomAccepted(room=msg.room, input_ready=len(ready) == len(taken))
+        accept = RoomAccepted(room=msg.room, input_ready=len(ready) == len(taken), legs=tuple(w.leg for _, w in taken))
         if len(taken) == 1 and ready:  # _start sends it, or an aux record that implies it
             self._start(*ready[0], announce=accept)
             return
@@ -478,7 +478,8 @@ class PrefillService(RoomService):
             # Failed before the decode side showed up: tell it, with nothing in flight.
             self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=leg.leg))
             return []
-        fan_out = room is not None and not room.finished and w is not None and w.request is not None \
+        # A part that succeeded already may have siblings still to come (its request's fan_out).
+        fan_out = room is not None and room.state is not RoomState.FAILED and w is not None and w.request is not None \
             and decode_rank_of(w.request.leg) != decode_rank_of(leg.leg)
         if fan_out:  # this prefill rank writes to another decode rank too: a room of its own for it
             first, key = room, fan_key(msg.room, leg.leg)
@@ -874,30 +875,32 @@ class PrefillService(RoomService):
         room_id = getattr(msg, "room", 0)
         if not room_id:
             return []
-        if isinstance(msg, RoomAccepted):  # one answer for every rank of the room
-            firsts = [room for lane in self.lanes if (room := self.rooms.find(room_key(room_id, lane.code))) is not None]
-            return list({room.id: room for first in firsts for room in self._group(first)}.values())
-        room = self.rooms.find(self._leg_key(room_id, getattr(msg, "leg", 0)))
-        return [room] if room is not None else []
+        legs = msg.legs if isinstance(msg, RoomAccepted) else (getattr(msg, "leg", 0),)
+        return list({room.id: room for leg in legs if (room := self.rooms.find(self._leg_key(room_id, leg))) is not None}.values())
 
     # --- a prefill rank's room in parts (fan-out): one status for its engine
 
     def status(self, room: Room, req: int = 0) -> RoomStatus:
         """What the engine hears of its room: of every part, when it writes to several
-        decode ranks. Failed if one part failed (fenced once all are), Success once all
-        are, else the least advanced part's state."""
+        decode ranks (fan_out). Failed if one part failed (fenced once all are), Success
+        once every decode rank's part is there and succeeded, else the least advanced
+        part's state."""
         group = self._group(room)
         first = group[0]
-        if len(group) == 1:
+        w = self.work.get(first.id)
+        missing = (w.request.fan_out if w is not None and w.request is not None else 1) - len(group)  # parts whose request is still to come
+        if len(group) == 1 and missing <= 0:
             return super().status(first, req)
         failed = [part for part in group if part.state is RoomState.FAILED]
         pages, skip = self.room_pages(first)
         if failed:
-            fenced = all(part.finished and part.fenced for part in group)
+            fenced = all(part.finished and part.fenced for part in group)  # parts still to come were never asked for: nothing to fence
             return RoomStatus(req=req, room=room_of(first.id), state=RoomState.FAILED, code=failed[0].code, reason=failed[0].reason,
                               fenced=fenced, pages=pages, skip_pages=skip)
         order = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS)
         state = min((part.state for part in group), key=order.index)
+        if state is RoomState.SUCCESS and missing > 0:
+            state = RoomState.TRANSFERRING  # its other decode ranks have not asked yet
         return RoomStatus(req=req, room=room_of(first.id), state=state, fenced=state is RoomState.SUCCESS, pages=pages, skip_pages=skip)
 
     def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:

@@ -77,7 +77,7 @@ def expecting(service: DecodeService, room: int, pages: list[int], bootstrap: st
 def accepted(service: DecodeService, room: int, input_ready: bool = True, endpoint: str = ENDPOINT,
              incarnation: str = PREFILL_INCARNATION) -> None:
     """The prefill accepts ``room``; the engine hears of each state it moves to (B6)."""
-    link(service, RoomAccepted(room=room, input_ready=input_ready), endpoint, incarnation)
+    link(service, RoomAccepted(room=room, input_ready=input_ready, legs=(0,)), endpoint, incarnation)
     states = (W, T) if input_ready else (W,)
     assert service.port.take() == [("engine", ENGINE, status(room, state, fenced=False)) for state in states]
 

@@ -108,7 +108,7 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
     hello(service)
     leave = seconds(port.ms + 60_000)
     peer(service, request(7, [5, 6], writes_until=leave))
-    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False))]
+    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,)))]
     assert service.rooms.get(7).state is RoomState.WAITING_FOR_INPUT and port.submitted == []
 
     slot = grant(service)
@@ -145,7 +145,7 @@ def test_a_send_before_the_request_waits_and_the_request_is_accepted_with_input_
 
     peer(service, request(7, [8, 10]))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True, legs=(0,)))]
     (job,) = port.submitted
     base = service.lanes[0].kv.bases[0]
     assert blocks(job) == [(base + 1 * PAGE_BYTES, DST_KV + 8 * PAGE_BYTES, PAGE_BYTES),
@@ -339,8 +339,8 @@ def test_a_silent_decode_daemon_is_declared_dead_after_the_heartbeat_bound_and_e
     hello(service, other, other_incarnation, name="host/e")
     peer(service, request(7, [5]))
     peer(service, request(8, [6]), other, other_incarnation)
-    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False)),
-                           ("peer", other, RoomAccepted(room=8, input_ready=False))]
+    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,))),
+                           ("peer", other, RoomAccepted(room=8, input_ready=False, legs=(0,)))]
     heard = port.ms
     for _ in range(5):  # b answers every second; a says nothing
         run(service, 1_000)
@@ -412,7 +412,7 @@ def test_an_announced_room_hears_waiting_for_input_with_the_decodes_positions_wh
     assert port.take() == []  # nothing to tell yet: bootstrapping
     peer(service, request(7, [5, 6, 7], skip_pages=4))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.WAITING_FOR_INPUT, fenced=False, pages=7, skip_pages=4)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=False))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,)))]
     # Announced after the request came: the status at once, before the ok.
     peer(service, request(8, [9], slot=4))
     port.take()
@@ -432,7 +432,7 @@ def test_chunks_are_written_as_they_come_and_the_aux_record_follows_every_chunks
     assert port.submitted == [] and service.rooms.get(7).state is RoomState.BOOTSTRAPPING
     peer(service, request(7, list(range(4, 14)), skip_pages=2))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=12, skip_pages=2)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True, legs=(0,)))]
     (first,) = port.submitted  # positions 2 and 3 (pages 3, 4) to the decode's first two pages
     assert blocks(first) == [(base + 3 * PAGE_BYTES, DST_KV + 4 * PAGE_BYTES, 2 * PAGE_BYTES)]
     assert call(service, chunk(7, 4, [9, 10, 11, 12])) == Ok(req=10)

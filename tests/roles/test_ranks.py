@@ -91,7 +91,7 @@ def test_the_ranks_expects_of_a_room_leave_as_one_request():
         (0, 0, pages_to_bytes([1, 2])), ((1 << 32) | 1, 1, pages_to_bytes([3, 4]))]
     assert all(leg.real and leg.carries_aux and leg.head_count == 0 for leg in request.legs)  # equal TP: whole pages
     # One answer for both ranks' rooms.
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomAccepted(room=7, input_ready=True)))
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomAccepted(room=7, input_ready=True, legs=(0, (1 << 32) | 1))))
     assert [service.rooms.get(room_key(7, code)).state for code in (0, 1)] == [T, T]
 
 
@@ -281,3 +281,33 @@ def test_a_room_a_request_made_before_its_rank_registered_writes_from_that_ranks
                        generation=slot.generation), b"p1")
     own = service.lanes[1].kv.bases[0]
     assert sorted(int(job.blocks.src[0]) for job in port.submitted) == [own + 4 * PAGE_BYTES] * 2
+
+
+def test_a_fan_out_part_asked_for_after_the_first_part_succeeded_still_gets_the_pages():
+    """TP1 -> TP2, the two decode ranks' legs in two requests (a rank expected late): the
+    first part succeeds alone, yet the engine hears Success only once the second decode
+    rank's part, made later from every chunk handed over, succeeded too."""
+    service = prefill()
+    port = service.port
+    two_lane_hello(service)
+    slot = grant(service)
+    call(service, Announce(req=0, room=9))
+    first = replace(leg(0, 0, [5]), fan_out=2)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=9, legs=(first,), lease_ms=30_000)))
+    call(service, Send(req=10, room=9, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot, generation=slot.generation))
+    for job in port.submitted:
+        job.settled = True
+        job.on_done(job)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=9, leg=0)))
+    assert service.rooms.get(9).state is S
+    assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is T  # the other decode rank has not asked
+    port.submitted.clear()
+    second = replace(leg(1, 1, [8]), fan_out=2)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=9, legs=(second,), lease_ms=30_000)))
+    other = service.peers[DECODE].lanes[1].region_bases[0]
+    assert [int(job.blocks.dst[0]) for job in port.submitted] == [other + 8 * PAGE_BYTES]
+    for job in port.submitted:
+        job.settled = True
+        job.on_done(job)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=9, leg=1)))
+    assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
