@@ -46,7 +46,8 @@ BIG = 2**64 - 1  # largest room id / address msgpack carries
 SAMPLES: dict[type, list[p.Message]] = {
     p.EngineHello: [
         p.EngineHello(req=1, version=p.PROTOCOL_VERSION, engine_id="sglang-prefill", role=p.Role.PREFILL,
-                      rank=p.Rank(dp=1, pp=2, tp=3, cp=0), sizes=p.Rank(dp=2, pp=4, tp=8, cp=1), device="cuda:3"),
+                      rank=p.Rank(dp=1, pp=2, tp=3, cp=0), sizes=p.Rank(dp=2, pp=4, tp=8, cp=1), device="cuda:3",
+                      pid=4242, pid_namespace=4026531836),
         p.EngineHello(req=1, version=p.PROTOCOL_VERSION),
     ],
     p.RegisterKV: [
