@@ -300,7 +300,7 @@ async def test_requests_that_do_not_wait_raise_their_refusal_in_wait(daemons):
             await waiting
         # A full queue cannot be made here on demand: hand the request to the
         # socket's drop callback, as the socket does when its queue is full.
-        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False, 0)
+        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False, 0, None)
         client._posting(lost)
         client._dropped(None, [client.codec.encode(lost)])
         with pytest.raises(errors.Busy, match="queue to the daemon") as exc:

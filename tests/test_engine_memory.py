@@ -213,7 +213,9 @@ def test_a_room_sent_in_four_chunks_writes_each_chunk_as_it_comes(engines):
     wait_until(first_chunk_landed, 10, "the first chunk's bytes at the destination")
     assert counter(engines.prefill_daemon, "bytes_moved") - moved == 4 * src.page_bytes
     assert prefill.poll(103).state is RoomState.TRANSFERRING
-    assert decode.poll(103).state is RoomState.TRANSFERRING  # the aux record waits for the last chunk
+    # transfer_started travels the bootstrap channel and then to the engine, the bytes the
+    # transfer engine: either may come first. The aux record waits for the last chunk.
+    wait_until(lambda: decode.poll(103).state is RoomState.TRANSFERRING, 10, "the decode side to hear writes began")
     assert not any(np.array_equal(pages[dst_pages[4:]], want[key][dst_pages[4:]]) for key, pages in dst.pages.items())
     for at in (4, 8):
         prefill.send(103, src_pages[at : at + 4], first_page=at, last=False)
