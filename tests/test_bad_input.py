@@ -689,7 +689,7 @@ def test_a_decode_rank_of_another_layout_is_welcomed_and_its_rooms_fail_naming_t
     """A decode daemon serves many ranks, so a layout the prefill cannot write into
     refuses no daemon at hello: each room whose leg joins the two ranks fails with
     compat_mismatch, on both channels, naming the field that differs (as the refusal
-    at hello did before ranks)."""
+    at hello did before ranks). A page size no rank here uses is still refused at hello."""
     live, sock = lone_prefill
     how, value = change
     hello = decode_hello(live.client, FAKE_DECODE, "fuzz/layout")  # the prefill's own pools: the same layout
@@ -697,7 +697,12 @@ def test_a_decode_rank_of_another_layout_is_welcomed_and_its_rooms_fail_naming_t
     compat = msgspec.structs.replace(lane.compat, **{how: value})
     assume(compat != lane.compat)
     hello = msgspec.structs.replace(hello, lanes=(msgspec.structs.replace(lane, compat=compat),))
-    assert isinstance(ask_peer(sock, [envelope(FAKE_DECODE), CODEC.encode(hello)]), p.PeerWelcome)
+    reply = ask_peer(sock, [envelope(FAKE_DECODE), CODEC.encode(hello)])
+    if how == "page_size":  # pages move whole (A9): refused at the handshake, naming both sizes
+        assert isinstance(reply, p.PeerRefused) and reply.code is p.ErrorCode.COMPAT_MISMATCH, reply
+        assert f"page_size: prefill={lane.compat.page_size} decode={value}" in reply.reason, reply
+        return
+    assert isinstance(reply, p.PeerWelcome), reply
     room = next(LAYOUT_ROOM_IDS)
     leg = p.LegRequest(pages=pages_bytes([5, 6]), slot=0, generation=1, memory_version=1)
     sock.send_multipart([envelope(FAKE_DECODE), CODEC.encode(p.RoomRequest(room=room, legs=(leg,)))])
