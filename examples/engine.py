@@ -152,7 +152,7 @@ def run_rank(args, rank: int, tp: int, ranks_up) -> None:
         outcome = prefill(args.room, rank, tp, ranks_up)
     else:
         outcome = decode(args.room, args.bootstrap, args.prefill_tp, rank, tp, ranks_up)
-    print(f"{args.role} rank {rank} of {tp}, room {args.room}: {outcome}", flush=True)
+    print(f"{args.role} rank {rank} of {tp}, room {args.room}: {outcome}\n", end="", flush=True)  # one write: ranks share stdout
     raise SystemExit(0 if outcome.startswith("success") else 1)
 
 

@@ -269,7 +269,8 @@ def test_the_readme_engine_example_runs_as_written(runtime_dir):
 def test_the_engine_example_moves_a_room_between_the_tp_sizes_its_flags_choose(daemons, runtime_dir, prefill_tp, decode_tp):
     """As its docstring says, other TP sizes work too: every decode rank checks its heads
     against what the prefill ranks wrote."""
-    prefill, _ = daemons("prefill"), daemons("decode")
+    # One request for every decode rank's legs whatever the ranks' timing (A5), as tests/test_ranks.py runs them.
+    prefill, _ = daemons("prefill"), daemons("decode", "--expect-batch-ms", "10000")
     script = os.path.join(ROOT, "examples", "engine.py")
     env = {**os.environ, "PYTHONPATH": ROOT, "PDXFER_RUNTIME_DIR": runtime_dir}
     decode = subprocess.Popen([sys.executable, script, "decode", "11", prefill.bootstrap, "--tp", str(decode_tp), "--prefill-tp", str(prefill_tp)],
