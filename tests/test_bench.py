@@ -349,9 +349,9 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
         assert run["extra"]["lanes"] == {"prefill": 2, "decode": 1}
         assert pdx["median"]["control_per_room"] == pytest.approx(2.0)  # one room_request, one room_accepted
         equal = wl["equal_tp"]
-        assert equal["topology"] == "1:1" and equal["gbps"] > 0
+        assert equal["topology"] == "1:1" and equal["pdxfer"]["gbps"] > 0 and equal["baseline"]["gbps"] > 0
         twin = report["workloads"][equal["workload"]]
-        assert set(twin["systems"]) == {"pdxfer"} and twin["kv_bytes"] == wl["kv_bytes"]
+        assert set(twin["systems"]) == {"baseline", "pdxfer"} and twin["kv_bytes"] == wl["kv_bytes"]
         assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["lanes"] == {"prefill": 1, "decode": 1}
     assert "medium GB/s TP 2:1 >= 0.9x 1:1 (head-major)" in {t["target"] for t in report["targets"]}
     assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)

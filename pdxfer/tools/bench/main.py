@@ -144,10 +144,9 @@ def sweep_points(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 
 def systems_for(workload: Workload, systems: list[str]) -> list[str]:
-    """The wire is one stream between one rank on each side; an equal-TP twin is there for pdxfer's GB/s."""
-    if workload.name.endswith(EQUAL_TP):
-        return [s for s in systems if s == "pdxfer"]
-    one_rank = (workload.prefill_tp, workload.decode_tp) == (1, 1)
+    """The wire is one stream between one rank on each side, and an equal-TP twin is
+    there for the GB/s of the others: the wire runs at 1:1 on its workloads only."""
+    one_rank = (workload.prefill_tp, workload.decode_tp) == (1, 1) and not workload.name.endswith(EQUAL_TP)
     return [s for s in systems if s != "wire" or (workload.name in WIRE_WORKLOADS and one_rank)]
 
 
@@ -343,19 +342,28 @@ def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dic
             "gbps_by_repeat": {"pdxfer/baseline": by_repeat(by_key["pdxfer"], by_key[best], "gbps")
                                if best and "pdxfer" in by_key else []},
         }
-    for w in workloads:  # GB/s at P:D over the same rooms at D:D
-        twin = runs.get(w.name + EQUAL_TP, {}).get("pdxfer")
-        if twin and "pdxfer" in runs[w.name]:
+    for w in workloads:  # GB/s at P:D over the same rooms at D:D, pdxfer's and the baseline's
+        twin = runs.get(w.name + EQUAL_TP)
+        if twin:
             report["workloads"][w.name]["equal_tp"] = {
                 "workload": w.name + EQUAL_TP, "topology": f"{w.decode_tp}:{w.decode_tp}",
-                "gbps": _ratio(_median([r.figures()["gbps"] for r in runs[w.name]["pdxfer"] if not r.error]),
-                               _median([r.figures()["gbps"] for r in twin if not r.error])),
-                "by_repeat": by_repeat(runs[w.name]["pdxfer"], twin, "gbps"),
+                **{system: equal_tp_ratio(runs[w.name], twin, system) for system in ("pdxfer", "baseline")},
             }
     if args.plan_indices:
         report["planning"] = planning_figures(args, report)
     report["targets"] = targets(report)
     return report
+
+
+def equal_tp_ratio(runs: dict[str, list[RunResult]], twin: dict[str, list[RunResult]], system: str) -> dict:
+    """A system's median GB/s over its median at equal TP (the baseline: each with its
+    fastest API), and repeat by repeat; {} where either was not run."""
+    key = {"pdxfer": "pdxfer", "baseline": pick_baseline(runs) if any(k.startswith("baseline:") for k in runs) else ""}[system]
+    twin_key = pick_baseline(twin) if system == "baseline" and any(k.startswith("baseline:") for k in twin) else system
+    if key not in runs or twin_key not in twin:
+        return {}
+    median = lambda rs: _median([r.figures()["gbps"] for r in rs if not r.error])  # noqa: E731
+    return {"gbps": _ratio(median(runs[key]), median(twin[twin_key])), "by_repeat": by_repeat(runs[key], twin[twin_key], "gbps")}
 
 
 def planning_figures(args: argparse.Namespace, report: dict) -> dict:
