@@ -194,6 +194,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-equal-tp", action="store_true",
                    help="also run pdxfer at D:D on the same rooms (the same bytes per room) and report the GB/s of "
                    "--topology P:D over it, per workload")
+    g.add_argument("--expect-batch-ms", type=float, default=None, metavar="MS",
+                   help="the decode daemon's --expect-batch-ms: how long a room's request waits for the engine's other "
+                   "ranks to expect it too, so that one request carries every rank's legs; it leaves at once when they all "
+                   "have (default: the daemon's default)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",
