@@ -358,7 +358,7 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
 
 
 def test_bench_refuses_a_topology_pdxfer_cannot_split():
-    for flags, why in ((["--topology", "1:2"], "fan-out"), (["--topology", "3:1"], "divisible"),
+    for flags, why in ((["--topology", "0:1"], "not P:D"), (["--topology", "3:1"], "divisible"),
                        (["--heads", "3"], "bytes per head")):
         proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, (flags, proc.stderr)

@@ -182,8 +182,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"of N consecutive pages (default: {DEFAULT_PLACEMENT})")
     g.add_argument("--topology", type=topology, default=(1, 1), metavar="P:D",
                    help="TP size of the prefill engine and of the decode engine: a process per rank, each with its own pool "
-                   "holding its share of --heads heads, one daemon per side for all its ranks; P must be at least D "
-                   "(pdxfer refuses fan-out for now) (default: 1:1)")
+                   "holding its share of --heads heads, one daemon per side for all its ranks; D above P is fan-out, a prefill rank writing to "
+                   "several decode ranks (default: 1:1)")
     g.add_argument("--heads", type=positive_int, default=8, metavar="N",
                    help="KV heads of the model, split over each engine's ranks; must divide --token-bytes and "
                    "--small-token-bytes and be divisible by P and D (default: 8)")

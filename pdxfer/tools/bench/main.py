@@ -101,8 +101,6 @@ EQUAL_TP = "-equal-tp"  # suffix of the workloads --compare-equal-tp adds: the s
 def topology_refusal(args: argparse.Namespace) -> str:
     """Why --topology, --heads and the token sizes do not split into ranks, or ""."""
     p, d = args.topology
-    if p < d:
-        return f"--topology {p}:{d}: decode TP above prefill TP (fan-out) is not supported by pdxfer yet; use P >= D"
     if args.heads % p or args.heads % d:
         return f"--heads {args.heads} must be divisible by both TP sizes of --topology {p}:{d}"
     for flag, nbytes in (("--token-bytes", args.token_bytes), ("--small-token-bytes", args.small_token_bytes)):
