@@ -167,7 +167,7 @@ def test_a_decode_daemon_refuses_inline_kv_it_did_not_offer_or_that_does_not_fit
             _, request = fake.recv_kind(RoomRequest)
             (leg,) = request.legs  # one rank each side: one leg, the one that carries aux
             if accepted:
-                fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True))
+                fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True, legs=(leg.leg,)))
             aux = b"aux of %d" % room_id
             stamp = stamp_for(room_id, leg.generation, aux)
             fake.send(link["identity"], AuxRecord(room=room_id, slot=leg.slot, generation=leg.generation, length=stamp.length,

@@ -496,7 +496,7 @@ def test_a_stale_unknown_peer_reply_does_not_fail_a_room_made_after_the_new_hell
         fake.welcome(identity)
         _, request = fake.recv_kind(RoomRequest)
         assert request.room == 200
-        fake.send(identity, RoomAccepted(room=200, input_ready=False))
+        fake.send(identity, RoomAccepted(room=200, input_ready=False, legs=tuple(leg.leg for leg in request.legs)))
         time.sleep(0.5)
         status = statuses(cd, [200])[200]
         assert status.state is not F, f"room 200, made after the new hello and accepted by the prefill, failed: {status}"

@@ -20,7 +20,6 @@ within a version.
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 import sys
 from typing import Annotated, Any, Union
@@ -239,10 +238,6 @@ class Compat(msgspec.Struct, frozen=True, kw_only=True):
     num_layers_total: int
     regions: tuple[tuple[int, RegionKind, int], ...]
     aux_slot_bytes: int
-
-
-def compat_hash(compat: Compat) -> str:
-    return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()[:16]
 
 
 def compat_diff(prefill: Compat, decode: Compat) -> list[str]:
