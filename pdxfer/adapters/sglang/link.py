@@ -37,6 +37,34 @@ def daemon_endpoint(role: str, env=os.environ) -> str:
     return config.load({"role": role}, env=env).engine_address
 
 
+def unsupported_ranks(sizes: Rank) -> list[str]:
+    """The parallel sizes of a server this backend cannot carry yet, as a user would
+    name them. Attention TP it can: the daemon serves every rank of the server and
+    slices heads between prefill and decode ranks (core/topology.py)."""
+    found = []
+    if sizes.cp > 1:
+        found.append(f"attention context parallelism (CP {sizes.cp}): the daemon refuses it")
+    if sizes.dp > 1:
+        found.append(f"attention data parallelism (DP {sizes.dp}): the daemons match a room's legs to prefill ranks by TP and PP rank only")
+    if sizes.pp > 1:
+        found.append(f"pipeline parallelism (PP {sizes.pp}): the backend does not yet number a stage's layers within the whole model")
+    return found
+
+
+def prefill_daemon(rows: Sequence[tuple[str, int]]) -> str:
+    """The prefill daemon a decode rank's room comes from: every prefill rank it reads
+    (SGLang's /route rows, ``(rank_ip, rank_port)``) must name the same one, which
+    serves them all."""
+    daemons = sorted(set(rows))
+    if len(daemons) != 1:
+        raise errors.Unsupported(
+            f"the prefill ranks this decode rank reads register {len(daemons)} pdxfer daemons "
+            f"({', '.join(f'{h}:{p}' for h, p in daemons)}); one daemon must serve every rank of a prefill server"
+        )
+    host, port = daemons[0]
+    return f"{host}:{port}"
+
+
 class Rows(NamedTuple):
     """SGLang's metadata buffers: row ``i`` of buffer ``b`` is ``sizes[b]`` bytes at
     ``ptrs[b] + i * sizes[b]`` (host memory). An aux record is a room's row of every
@@ -170,10 +198,13 @@ class Link:
 
         self._do(post)
 
-    def expect(self, room: int, bootstrap: str, pages, skip_pages: int) -> None:
+    def expect(self, room: int, bootstrap: str, pages, skip_pages: int, prefill_sizes: Rank | None = None) -> None:
+        """A decode room from the prefill daemon at ``bootstrap``, whose server runs
+        ``prefill_sizes`` (TP, PP; one rank if None)."""
+
         def post(client: Client) -> None:
             slot = client.alloc_slot()
-            client.expect(room, bootstrap, pages, slot, skip_pages=skip_pages, wait=False)
+            client.expect(room, bootstrap, pages, slot, skip_pages=skip_pages, prefill_sizes=prefill_sizes, wait=False)
             self._rooms[room] = slot
 
         self._do(post)
