@@ -151,6 +151,16 @@ def engine_env(workdir: str, plugins: Sequence[str], extra_plugins: dict[str, st
     return env
 
 
+def tensor_parallel(tp: int) -> tuple[dict, dict[str, str]]:
+    """The engine arguments and environment of a server running ``tp`` TP ranks on this
+    CPU: SGLang binds each rank's OpenMP threads to a NUMA node of its own and refuses
+    more ranks than nodes (numa_utils.init_threads_binding) unless
+    SGLANG_CPU_OMP_THREADS_BIND names each rank's cores; here ranks share the cores
+    round robin. The ranks all-reduce over gloo."""
+    cores = os.cpu_count() or 1
+    return {"tp_size": tp}, {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp))}
+
+
 def _worker(name: str, workdir: str, model_dir: str, engine_args: dict, env: dict[str, str]) -> Worker:
     args = {"model_path": model_dir, **ENGINE_ARGS, "port": free_port(), **engine_args}
     env = {**env, ENGINE_ARGS_ENV: json.dumps(args)}
@@ -198,14 +208,15 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 backend: str = "mooncake", plugins: Sequence[str] = BASELINE_PLUGINS,
                 extra_plugins: dict[str, str] | None = None,
                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                engine_args: dict | None = None, decode_radix_cache: bool = True,
+                engine_args: dict | None = None, prefill_args: dict | None = None, decode_radix_cache: bool = True,
                 room_seed: int = 1, before_wave: Callable[[int], None] | None = None, op: str = "generate",
                 wave_args: Callable[[int], tuple[dict, dict]] | None = None) -> PDRun:
     """A prefill and a decode engine, each in its own process, with
     ``disaggregation_transfer_backend=backend``; each wave's requests go to both at
     once, with the prefill's bootstrap address and a fresh room each. ``plugins``
     name test plugins (`PLUGIN_ENTRY_POINTS`), ``extra_plugins`` more entry points
-    (name → ``module:function``), e.g. a backend's. ``decode_radix_cache`` turns on
+    (name → ``module:function``), e.g. a backend's. ``prefill_args`` are the prefill's
+    engine arguments beyond ``engine_args`` (e.g. `tensor_parallel`'s). ``decode_radix_cache`` turns on
     the decode's radix cache (off by default in SGLang, "experimental"): a request
     whose prefix the decode holds gets only the rest from the prefill.
     ``before_wave(i)`` runs before wave i is sent (a fault test kills or restarts a
@@ -221,7 +232,7 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
     common = {"disaggregation_transfer_backend": backend, **(engine_args or {})}
     prefill = _worker(
         "sglang-prefill", workdir, model_dir,
-        {**common, "disaggregation_mode": "prefill", "disaggregation_bootstrap_port": bootstrap_port},
+        {**common, **(prefill_args or {}), "disaggregation_mode": "prefill", "disaggregation_bootstrap_port": bootstrap_port},
         engine_env(workdir, plugins, extra_plugins, {**test_env, **(prefill_env or {})}),
     )
     decode = _worker(
@@ -298,7 +309,8 @@ def generate_pdxfer(model_dir: str, workdir: str, waves: Sequence[Sequence[Reque
         run = generate_pd(
             model_dir, os.path.join(workdir, "pd"), waves, backend="pdxfer",
             extra_plugins={"pdxfer": entry_point(), **kwargs.pop("extra_plugins", {})},
-            prefill_env={"PDXFER_ENDPOINT": prefill.engine}, decode_env={"PDXFER_ENDPOINT": decode.engine}, **kwargs,
+            prefill_env={**kwargs.pop("prefill_env", {}), "PDXFER_ENDPOINT": prefill.engine},
+            decode_env={**kwargs.pop("decode_env", {}), "PDXFER_ENDPOINT": decode.engine}, **kwargs,
         )
         sent, received = daemon_counters(prefill.ready["admin"]), daemon_counters(decode.ready["admin"])
     finally:

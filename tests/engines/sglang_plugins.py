@@ -12,7 +12,8 @@ patched on disk.
 - ``transfer_log``: with ``PDXFER_TEST_TRANSFER_LOG_DIR`` set, the calls the
   schedulers make on senders and receivers (`LOGGED`), one JSON line each, in
   ``<dir>/<pid>.jsonl``: which rooms were sent in chunks, what prefix the decode
-  skipped, and when (``t``, wall clock). It hooks SGLang's ``Common*`` classes, so a
+  skipped, and when (``t``, wall clock) and by which process (``pid``: a server with
+  several ranks has a scheduler process per rank). It hooks SGLang's ``Common*`` classes, so a
   backend's method that does not call ``super()`` is not seen; `log_calls` hooks other
   targets.
 - ``decode_log``: with the same directory set, what the decode scheduler does with a
@@ -149,7 +150,7 @@ def log_calls(directory: str, logged: dict) -> None:
             records = _record(obj, args, kwargs, result)
             with open(path, "a") as f:
                 for rec in records if isinstance(records, list) else [records]:
-                    entry = {"call": _method, "class": type(obj).__name__, "t": t, **rec}
+                    entry = {"call": _method, "class": type(obj).__name__, "t": t, "pid": os.getpid(), **rec}
                     if "room" not in entry:
                         entry["room"] = int(obj.bootstrap_room)
                     f.write(json.dumps(_plain(entry)) + "\n")
