@@ -208,15 +208,16 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 backend: str = "mooncake", plugins: Sequence[str] = BASELINE_PLUGINS,
                 extra_plugins: dict[str, str] | None = None,
                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                engine_args: dict | None = None, prefill_args: dict | None = None, decode_radix_cache: bool = True,
+                engine_args: dict | None = None, prefill_args: dict | None = None, decode_args: dict | None = None,
+                decode_radix_cache: bool = True,
                 room_seed: int = 1, before_wave: Callable[[int], None] | None = None, op: str = "generate",
                 wave_args: Callable[[int], tuple[dict, dict]] | None = None) -> PDRun:
     """A prefill and a decode engine, each in its own process, with
     ``disaggregation_transfer_backend=backend``; each wave's requests go to both at
     once, with the prefill's bootstrap address and a fresh room each. ``plugins``
     name test plugins (`PLUGIN_ENTRY_POINTS`), ``extra_plugins`` more entry points
-    (name → ``module:function``), e.g. a backend's. ``prefill_args`` are the prefill's
-    engine arguments beyond ``engine_args`` (e.g. `tensor_parallel`'s). ``decode_radix_cache`` turns on
+    (name → ``module:function``), e.g. a backend's. ``prefill_args`` and ``decode_args``
+    are one side's engine arguments beyond ``engine_args`` (e.g. `tensor_parallel`'s). ``decode_radix_cache`` turns on
     the decode's radix cache (off by default in SGLang, "experimental"): a request
     whose prefix the decode holds gets only the rest from the prefill.
     ``before_wave(i)`` runs before wave i is sent (a fault test kills or restarts a
@@ -238,7 +239,7 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
     decode = _worker(
         "sglang-decode", workdir, model_dir,
         # The default host pool for retraction calls cudaHostRegister (E4).
-        {**common, "disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor",
+        {**common, **(decode_args or {}), "disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor",
          "disaggregation_decode_enable_radix_cache": decode_radix_cache},
         engine_env(workdir, plugins, extra_plugins, {**test_env, **(decode_env or {})}),
     )

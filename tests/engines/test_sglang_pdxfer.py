@@ -292,40 +292,52 @@ def test_an_aborted_request_ends_aborted_on_both_sides_and_its_decode_pages_wait
     print("decode pages held until fenced: " + ", ".join(f"wave {w} {s:.2f} s" for w, s in held.items()))
 
 
-def test_b7_tp2_prefill_to_tp1_decode_matches_single_engine(needs_sglang, model_dir, waves24, reference24, tmp_path):
-    """A prefill server of two TP ranks (each one of the model's two KV heads, gloo
-    between them) and a decode server of one, through one pdxfer daemon per side serving
-    every rank: the decode daemon gathers each room from both prefill ranks, each writing
-    its head into every token of the decode's pages (fan-in, ENGINES.md §3). The same
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_b7_tp_servers_of_different_sizes_match_single_engine(prefill_tp, decode_tp, needs_sglang, model_dir, waves24, reference24, tmp_path):
+    """A server of two TP ranks (each one of the model's two KV heads, gloo between
+    them) and a server of one, through one pdxfer daemon per side serving every rank.
+    TP2 -> TP1: the decode daemon gathers each room from both prefill ranks, each
+    writing its head into every token of the decode's pages (fan-in, ENGINES.md §3);
+    TP1 -> TP2: the prefill rank writes each decode rank its head (fan-out). The same
     waves as the TP1 pair, token for token against the plain TP1 engine."""
-    prefill_args, prefill_env = sglang_pd.tensor_parallel(2)
-    pair = sglang_pd.generate_pdxfer(model_dir, str(tmp_path), waves24, prefill_args=prefill_args, prefill_env=prefill_env)
+    sizes = {"prefill": prefill_tp, "decode": decode_tp}
+    kwargs = {}
+    for side, tp in sizes.items():
+        if tp > 1:
+            kwargs[f"{side}_args"], kwargs[f"{side}_env"] = sglang_pd.tensor_parallel(tp)
+    # The decode daemon gathers its ranks' expects for the default 1 ms (A5): SGLang's
+    # ranks expect a room milliseconds apart, so a late rank's legs may go to the
+    # prefill in a request of their own.
+    pair = sglang_pd.generate_pdxfer(model_dir, str(tmp_path), waves24, **kwargs)
     run, sent, received = pair.run, pair.sent, pair.received
     assert pair.exit_codes == [0, 0]
 
     assert mismatches(waves24, reference24, run.tokens) == []
-    assert sorted(run.kvargs) == ["decode-0.json", "prefill-0.json", "prefill-1.json"]
-    decode_kv = run.kvargs["decode-0.json"]
-    for name in ("prefill-0.json", "prefill-1.json"):  # a prefill rank's page holds half the heads
-        assert [2 * n for n in run.kvargs[name]["kv_item_lens"]] == decode_kv["kv_item_lens"], name
-    # Every room succeeded on the decode daemon, and on the prefill daemon for each rank
-    # (a room per rank). --verify-kv checks whole legs only, and these are head slices:
-    # the tokens are what proves the KV here.
-    assert (received["rooms_succeeded"], received["rooms_failed"]) == (NUM_REQUESTS, 0)
-    assert (sent["rooms_succeeded"], sent["rooms_failed"]) == (2 * NUM_REQUESTS, 0)
+    assert sorted(run.kvargs) == sorted(f"{side}-{r}.json" for side, tp in sizes.items() for r in range(tp))
+    prefill_kv, decode_kv = run.kvargs["prefill-0.json"], run.kvargs["decode-0.json"]
+    # A rank of a TP2 server holds one of the two heads: its pages are half as long.
+    assert [n * prefill_tp for n in prefill_kv["kv_item_lens"]] == [n * decode_tp for n in decode_kv["kv_item_lens"]]
+    # Every room succeeded on both daemons: on the decode's once per decode rank, on the
+    # prefill's once per leg (a prefill rank keeps a room part per decode rank it writes).
+    # --verify-kv checks whole pages only, and these legs are head slices: the tokens are
+    # what proves the KV here.
+    assert (received["rooms_succeeded"], received["rooms_failed"]) == (decode_tp * NUM_REQUESTS, 0)
+    assert (sent["rooms_succeeded"], sent["rooms_failed"]) == (max(prefill_tp, decode_tp) * NUM_REQUESTS, 0)
 
-    # Both prefill ranks were handed the same chunks of every room; the decode daemon
-    # received those pages once, whole (each rank's heads of every token of the four
-    # K/V buffers), and one aux record per room.
+    # Every prefill rank was handed the same chunks of every room; each decode rank
+    # received those pages whole (its heads of every token of the four K/V buffers),
+    # and its own aux record.
     pages_sent = 0
     for wave, rooms in zip(waves24, run.rooms):
         for req, room in zip(wave, rooms):
             by_rank = {}
             for s in run.calls_for(room, "send"):
                 by_rank.setdefault(s["pid"], []).append((s["pages"], s["num_kv_tokens"]))
-            assert len(by_rank) == 2 and len(set(map(tuple, by_rank.values()))) == 1, (room, by_rank)
+            assert len(by_rank) == prefill_tp and len(set(map(tuple, by_rank.values()))) == 1, (room, by_rank)
             (prefix,) = {c["prefix_len"] for c in run.calls_for(room, "pop_decode_prefix_len")}
             chunks = next(iter(by_rank.values()))
             assert sum(tokens for _, tokens in chunks) == len(req.input_ids) - prefix, room
             pages_sent += sum(pages for pages, _ in chunks)
-    assert received["bytes_received"] == pages_sent * sum(decode_kv["kv_item_lens"]) + NUM_REQUESTS * (32 + sum(decode_kv["aux_item_lens"]))
+    per_rank = pages_sent * sum(decode_kv["kv_item_lens"]) + NUM_REQUESTS * (32 + sum(decode_kv["aux_item_lens"]))
+    assert received["bytes_received"] == decode_tp * per_rank
