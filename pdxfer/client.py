@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
 from typing import NamedTuple
 
@@ -70,6 +71,7 @@ from .core.protocol import (
 )
 from .core.stamp import HEADER_BYTES, unpack_header, verify
 from .host.memory import AUX_BUFFER_PREFIX, KV_POOL_PREFIX, SharedMemory
+from .host.processes import pid_namespace
 from .wire.sockets import CLOSE_LINGER, Dealer
 
 MAX_SLOTS_PER_REQUEST = 64  # what one alloc_slot request may ask for (protocol.AllocSlot)
@@ -316,7 +318,7 @@ class _Requests:
 
     def _hello(self) -> EngineHello:
         return EngineHello(req=next(self._req), version=PROTOCOL_VERSION, engine_id=self.engine_id, role=self.role,
-                           rank=self.rank, sizes=self.sizes, device=self.device)
+                           rank=self.rank, sizes=self.sizes, device=self.device, pid=os.getpid(), pid_namespace=pid_namespace())
 
     def _register_kv(self, buffers, spec: KVSpec, regions, memory_version: int | None) -> RegisterKV:
         """A registration replacing the current one: under a higher memory version unless one is given."""
@@ -347,7 +349,7 @@ class _Requests:
     def _register_aux(self, aux: AuxBuffer) -> RegisterAux:
         return RegisterAux(req=next(self._req), memory=aux.memory.handle, num_slots=aux.num_slots, slot_bytes=aux.slot_bytes)
 
-    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last) -> Send:
+    def _send(self, room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last, cuda_event) -> Send:
         if not last:
             slot, aux_bytes = (0, 0), 0
         elif slot is None:
@@ -357,14 +359,14 @@ class _Requests:
         return Send(
             req=next(self._req) if wait else 0, room=room, pages=pages_to_bytes(pages), num_tokens=num_tokens,
             slot=slot[0], generation=slot[1], aux_bytes=aux_bytes, memory_version=self._kv_version(memory_version),
-            release_when_settled=release_when_settled, first_page=first_page, last=last,
+            release_when_settled=release_when_settled, first_page=first_page, last=last, cuda_event=cuda_event,
         )
 
-    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages) -> Expect:
+    def _expect(self, room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes) -> Expect:
         return Expect(
             req=next(self._req) if wait else 0, room=room, bootstrap=bootstrap, pages=pages_to_bytes(pages), slot=slot[0],
             generation=slot[1], memory_version=self._kv_version(memory_version), num_draft_tokens=num_draft_tokens,
-            skip_pages=skip_pages,
+            skip_pages=skip_pages, prefill_sizes=prefill_sizes or ONE_RANK,
         )
 
     def _announce(self, room: int, wait: bool) -> Announce:
@@ -457,6 +459,7 @@ class Client(_Requests):
         return [msg for raw in frames if (msg := self._incoming(raw)) is not None]
 
     def _call(self, msg: Message):
+        self._still_connected()
         self._sock.send(self.codec.encode(msg))
         deadline = time.monotonic() + self.timeout
         while True:
@@ -469,9 +472,16 @@ class Client(_Requests):
                 return raise_for(mine[0])
 
     def _drain(self, timeout_ms: int = 0) -> None:
+        self._still_connected()
         while (frames := self._receive(timeout_ms)) is not None:
             self._take(frames)
             timeout_ms = 0
+
+    def _still_connected(self) -> None:
+        """Once the daemon went away, every call says so until connect(): the socket
+        would otherwise reach a restarted daemon, which knows nothing of this engine."""
+        if self._lost:
+            raise errors.DaemonGone(self._gone())
 
     def register_kv(self, buffers: list[MemoryHandle], spec: KVSpec, regions: list[KVRegion], memory_version: int | None = None) -> int:
         """Register the KV cache the engine owns: its buffers and what their pages mean
@@ -519,22 +529,27 @@ class Client(_Requests):
 
     def send(self, room: int, pages, num_tokens: int = 0, slot: Slot | None = None, aux_bytes: int | None = None,
              memory_version: int | None = None, *, first_page: int = 0, last: bool = True, wait: bool = True,
-             release_when_settled: bool = False) -> None:
+             release_when_settled: bool = False, cuda_event: bytes = b"") -> None:
         """Hand the daemon a chunk of a room's KV: source ``pages`` for positions
         [first_page, first_page + len(pages)), written at once if the decode's request is
         in. The ``last`` chunk (the default: the whole room) carries the token count and
         the aux record (``slot``). Positions below the decode's skip_pages are not written.
         ``wait=False`` returns at once: the daemon then sends no ok, and wait() or poll()
         for the room raise its refusal, if it refused. ``release_when_settled``: the
-        daemon releases the room itself once it settled; no release() for it."""
-        self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
+        daemon releases the room itself once it settled; no release() for it.
+        ``cuda_event``: the IPC handle of a CUDA event recorded after the work that wrote
+        these pages (torch: ``torch.cuda.Event(interprocess=True)``, then
+        ``event.ipc_handle()``): the daemon writes them once it completed, so the engine
+        need not synchronize before send()."""
+        self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last, cuda_event))
 
     def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-               *, skip_pages: int = 0, wait: bool = True) -> None:
+               *, skip_pages: int = 0, prefill_sizes: Rank | None = None, wait: bool = True) -> None:
         """Receive a room into ``pages`` (positions skip_pages.. of it: the first
         ``skip_pages`` this side holds already) and ``slot`` from the prefill daemon at
-        ``bootstrap``; ``wait`` as for send()."""
-        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
+        ``bootstrap``, whose engine runs ``prefill_sizes`` (TP, PP; default one rank);
+        ``wait`` as for send()."""
+        self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes))
 
     def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:
@@ -765,13 +780,13 @@ class AsyncClient(_Requests):
 
     async def send(self, room: int, pages, num_tokens: int = 0, slot: Slot | None = None, aux_bytes: int | None = None,
                    memory_version: int | None = None, *, first_page: int = 0, last: bool = True, wait: bool = True,
-                   release_when_settled: bool = False) -> None:
+                   release_when_settled: bool = False, cuda_event: bytes = b"") -> None:
         """As Client.send(): ``wait=False`` spares the daemon's ok and a wake-up per room."""
-        await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last))
+        await self._request(self._send(room, pages, num_tokens, slot, aux_bytes, memory_version, wait, release_when_settled, first_page, last, cuda_event))
 
     async def expect(self, room: int, bootstrap: str, pages, slot: Slot, num_draft_tokens: int = 0, memory_version: int | None = None,
-                     *, skip_pages: int = 0, wait: bool = True) -> None:
-        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages))
+                     *, skip_pages: int = 0, prefill_sizes: Rank | None = None, wait: bool = True) -> None:
+        await self._request(self._expect(room, bootstrap, pages, slot, num_draft_tokens, memory_version, wait, skip_pages, prefill_sizes))
 
     async def _request(self, msg: Send | Expect | Announce) -> None:
         if msg.req:

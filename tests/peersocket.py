@@ -13,7 +13,7 @@ import socket
 import time
 
 from pdxfer.core.plan import compat_of, layout_registration
-from pdxfer.core.protocol import PROTOCOL_VERSION, PeerHello, compat_hash
+from pdxfer.core.protocol import PROTOCOL_VERSION, LaneInfo, PeerHello
 from pdxfer.wire.bootstrap import NONCE_BYTES, PREAMBLE, Deframer, encode, split_endpoint
 from pdxfer.wire.seal import Seal
 
@@ -23,11 +23,14 @@ NO_LIMIT = 1 << 31
 def decode_hello(client, incarnation: str, name: str) -> PeerHello:
     """The peer_hello of a decode daemon serving ``client``'s pools, as the test plays it:
     its session and buffer addresses name nothing, so no write it allows can land."""
-    ours = compat_of(*layout_registration(client.kv.layout), client.aux.slot_bytes)
+    spec, regions = layout_registration(client.kv.layout)
+    lane = LaneInfo(
+        index=0, rank=client.rank, compat=compat_of(spec, regions, client.aux.slot_bytes), heads_local=spec.heads.local,
+        layers=spec.layers, region_bases=(0,) * len(regions), num_pages=client.kv.layout.num_pages, aux_base=0,
+        aux_slots=client.aux.num_slots, memory_version=1,
+    )
     return PeerHello(
-        version=PROTOCOL_VERSION, incarnation=incarnation, session="127.0.0.1:1", compat=ours, compat_hash=compat_hash(ours),
-        region_bases=(0,) * len(client.kv.arrays()), num_pages=client.kv.layout.num_pages, aux_base=0,
-        aux_slots=client.aux.num_slots, memory_version=1, name=name,
+        version=PROTOCOL_VERSION, incarnation=incarnation, session="127.0.0.1:1", lanes=(lane,), name=name,
     )
 
 

@@ -10,11 +10,12 @@ Both endpoints of a LIVE daemon pair are fed by raw ZMQ DEALER sockets from the 
   echoing its ``req`` when it had a readable one;
 * the prefill's bootstrap endpoint (an envelope frame and a payload frame): wrong
   frame counts, garbage envelopes, valid envelopes around random payloads, peer
-  messages before any hello, hellos with the wrong version or compatibility, and,
+  messages before any hello, hellos with the wrong version, and,
   against a daemon started with --cluster-secret-file, unsigned or wrongly signed
   messages on a connection that proved the secret in its handshake (one that did not
   is refused before its first message: test_peer_auth.py). Every one must get a
-  ``peer_error`` or ``peer_refused`` reply.
+  ``peer_error`` or ``peer_refused`` reply. A hello whose lane has another KV layout
+  is welcomed, and each room it requests fails naming the difference.
 
 After every message the daemon must still run and its room and slot tables (and
 peer count) must be what they were. Requests that legitimately change state (abort of
@@ -24,6 +25,7 @@ the fuzzing and tested on their own below.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import stat
@@ -268,7 +270,7 @@ def semantic_engine_errors(draw):
     req = draw(req_ids)
     room = draw(fresh_rooms)
     case = draw(st.sampled_from([
-        "unknown_poll", "unknown_release", "hello_version", "hello_role", "hello_cp", "hello_rank", "hello_second_rank",
+        "unknown_poll", "unknown_release", "hello_version", "hello_role", "hello_cp", "hello_rank",
         "free_slot", "wrong_role", "announce_to_decode", "send_no_slot", "expect_pages", "expect_empty",
         "expect_ragged", "expect_version", "expect_duplicate", "expect_slot", "expect_ungranted", "expect_bootstrap",
         "send_pages", "send_tokens", "send_aux", "send_duplicate", "send_ungranted", "register_kv_version",
@@ -284,18 +286,16 @@ def semantic_engine_errors(draw):
         msg, expected = template("engine_hello", req, room), {"version_mismatch"}
         msg["version"] = draw(st.integers(min_value=-(2**63), max_value=2**63 - 1).filter(lambda v: v != p.PROTOCOL_VERSION))
         role = draw(st.sampled_from(["prefill", "decode"]))
-    elif case.startswith("hello_"):  # each daemon serves the rank its engine said hello with: the first, rank 0 of 1
+    elif case.startswith("hello_"):  # a daemon serves every rank of its role (a lane each), none of these
         role = draw(st.sampled_from(["prefill", "decode"]))
         msg, expected = template("engine_hello", req, room), {"unsupported"}
         if case == "hello_role":
             msg["role"] = "decode" if role == "prefill" else "prefill"
         elif case == "hello_cp":
             msg["sizes"] = {"cp": draw(st.integers(min_value=2, max_value=2**63 - 1))}
-        elif case == "hello_rank":  # not below its size
+        else:  # a rank not below its size
             dim = draw(st.sampled_from(["dp", "pp", "tp", "cp"]))
             msg["rank"], msg["sizes"], expected = {dim: draw(st.integers(min_value=1, max_value=2**63 - 1))}, {dim: 1}, {"bad_message"}
-        else:  # another rank than the one served (a size left 0 is 1)
-            msg["rank"], msg["sizes"] = {"tp": 1}, {"tp": draw(st.integers(min_value=2, max_value=64))}
     elif case == "announce_to_decode":
         msg, expected = template("announce", req, room), {"bad_message"}
     elif case == "send_no_slot":  # the last chunk carries the aux slot
@@ -532,7 +532,7 @@ def check_peer_error(live: Live, sock, frames: list[bytes], kinds=(p.PeerError,)
 
 
 PEER_KINDS = ["peer_hello", "peer_welcome", "peer_refused", "room_request", "room_accepted", "transfer_started",
-              "aux_record", "room_ack", "room_failed", "heartbeat", "heartbeat_ack", "peer_error"]
+              "aux_record", "leg_written", "room_ack", "room_failed", "heartbeat", "heartbeat_ack", "peer_error"]
 ENVELOPE = msgspec.msgpack.Encoder()
 incarnations = st.text(alphabet="0123456789abcdef", min_size=1, max_size=16)
 
@@ -604,8 +604,8 @@ def peer_messages_before_hello(draw) -> bytes:
     room = draw(st.integers(min_value=1, max_value=2**64 - 1))
     code = draw(st.sampled_from(list(p.ErrorCode)))
     msg = draw(st.sampled_from([
-        p.RoomRequest(room=room, pages=pages_bytes([1, 2]), slot=0, generation=1, memory_version=1),
-        p.RoomRequest(room=KNOWN_ROOM, pages=pages_bytes([5]), slot=3, generation=9, memory_version=1),
+        p.RoomRequest(room=room, legs=(p.LegRequest(pages=pages_bytes([1, 2]), slot=0, generation=1, memory_version=1),)),
+        p.RoomRequest(room=KNOWN_ROOM, legs=(p.LegRequest(pages=pages_bytes([5]), slot=3, generation=9, memory_version=1),)),
         p.RoomAck(room=room),
         p.RoomAck(room=KNOWN_ROOM),
         p.RoomFailed(room=room, code=code, reason="fuzz"),
@@ -615,6 +615,7 @@ def peer_messages_before_hello(draw) -> bytes:
         p.PeerWelcome(version=1, incarnation="x", session="y", clock=1.0),
         p.TransferStarted(room=room),
         p.AuxRecord(room=room, slot=0, generation=1, length=0, checksum=0),
+        p.LegWritten(room=room, leg=1, kv_pages=2),
         p.PeerError(code=code, message="fuzz"),
     ]))
     return CODEC.encode(msg)
@@ -626,14 +627,18 @@ def test_peer_messages_before_hello_get_unknown_peer(pair, peer_sock, payload, i
     check_peer_error(pair[0], peer_sock, [envelope(incarnation), payload], codes={"unknown_peer"})
 
 
+@FUZZ
+@given(version=st.integers(min_value=-(2**63), max_value=2**63 - 1).filter(lambda v: v != p.PROTOCOL_VERSION), incarnation=incarnations)
+def test_hellos_with_the_wrong_version_are_refused(pair, peer_sock, version, incarnation):
+    prefill, decode = pair
+    hello = msgspec.structs.replace(decode_hello(decode.client, "f" * 16, "fuzz/fuzz"), version=version)
+    check_peer_error(prefill, peer_sock, [envelope(incarnation), CODEC.encode(hello)], kinds=(p.PeerRefused,), codes={"version_mismatch"})
+
+
 @st.composite
-def refused_hellos(draw):
-    """A hello that must be refused: wrong version, or one compat field (or the hash) off."""
-    how = draw(st.sampled_from(["version", "hash", *(f for f in p.Compat.__struct_fields__ if f != "version")]))
-    if how == "version":
-        return how, draw(st.integers(min_value=-(2**63), max_value=2**63 - 1).filter(lambda v: v != p.PROTOCOL_VERSION))
-    if how == "hash":
-        return how, draw(st.text(alphabet="0123456789abcdef", max_size=16))
+def other_layouts(draw):
+    """One compat field of a decode rank's lane off: (field, value)."""
+    how = draw(st.sampled_from([f for f in p.Compat.__struct_fields__ if f != "version"]))
     if how == "dtype":
         return how, draw(st.text(max_size=12))
     if how in ("page_order", "kv_packing", "mla"):
@@ -644,24 +649,72 @@ def refused_hellos(draw):
     return how, draw(st.integers(min_value=-(2**31), max_value=2**31))
 
 
-@FUZZ
-@given(change=refused_hellos(), incarnation=incarnations)
-def test_hellos_with_wrong_version_or_compat_are_refused(pair, peer_sock, change, incarnation):
-    prefill, decode = pair
-    hello = decode_hello(decode.client, "f" * 16, "fuzz/fuzz")
+LAYOUT_ROOMS = 40  # examples of the test below: each fails a room and quarantines a slot
+FAKE_DECODE = "a" * 16  # the incarnation of the decode daemon that test plays
+LAYOUT_ROOM_IDS = itertools.count(100)
+
+
+@pytest.fixture(scope="module")
+def lone_prefill(tmp_path_factory):
+    """A prefill daemon of its own, with a slot for every room the layout test fails,
+    and a hand-played decode daemon's connection to it. Heartbeats too slow to matter:
+    the decode side says only what the test says."""
+    runtime = tempfile.mkdtemp(prefix="pdx-")
+    log = open(tmp_path_factory.mktemp("lone") / "prefill.log", "w")
+    daemon = start_daemon("prefill", runtime, "--heartbeat-interval", "5", "--heartbeat-misses", "6", name="lone", stderr=log)
+    client = engine(daemon, small_layout(), slots=LAYOUT_ROOMS + 8, payload=PAYLOAD)
+    sock = PeerSocket(daemon.bootstrap)
+    try:
+        yield Live(daemon, client), sock
+    finally:
+        sock.close(0)
+        client.close()
+        _stop_all([daemon])
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def peer_reply(sock: PeerSocket, kind: type):
+    """The first message of ``kind`` the prefill sends (those before it are dropped)."""
+    while True:
+        reply = sock.recv_multipart()
+        for payload in reply[1:]:
+            msg = CODEC.peer_messages.decode(payload)
+            if isinstance(msg, kind):
+                return msg
+
+
+@settings(FUZZ, max_examples=LAYOUT_ROOMS)
+@given(change=other_layouts())
+def test_a_decode_rank_of_another_layout_is_welcomed_and_its_rooms_fail_naming_the_difference(lone_prefill, change):
+    """A decode daemon serves many ranks, so a layout the prefill cannot write into
+    refuses no daemon at hello: each room whose leg joins the two ranks fails with
+    compat_mismatch, on both channels, naming the field that differs (as the refusal
+    at hello did before ranks). A page size no rank here uses is still refused at hello."""
+    live, sock = lone_prefill
     how, value = change
-    if how == "version":
-        hello, codes = msgspec.structs.replace(hello, version=value), {"version_mismatch"}
-    elif how == "hash":
-        assume(value != hello.compat_hash)
-        hello, codes = msgspec.structs.replace(hello, compat_hash=value), {"compat_mismatch"}
-    else:
-        compat = msgspec.structs.replace(hello.compat, **{how: value})
-        assume(compat != hello.compat)
-        hello, codes = msgspec.structs.replace(hello, compat=compat, compat_hash=p.compat_hash(compat)), {"compat_mismatch"}
-    reply = check_peer_error(prefill, peer_sock, [envelope(incarnation), CODEC.encode(hello)], kinds=(p.PeerRefused,), codes=codes)
-    if how not in ("version", "hash"):
-        assert how in reply.reason, reply  # the refusal names the field that differs
+    hello = decode_hello(live.client, FAKE_DECODE, "fuzz/layout")  # the prefill's own pools: the same layout
+    lane = hello.lanes[0]
+    compat = msgspec.structs.replace(lane.compat, **{how: value})
+    assume(compat != lane.compat)
+    hello = msgspec.structs.replace(hello, lanes=(msgspec.structs.replace(lane, compat=compat),))
+    reply = ask_peer(sock, [envelope(FAKE_DECODE), CODEC.encode(hello)])
+    if how == "page_size":  # pages move whole (A9): refused at the handshake, naming both sizes
+        assert isinstance(reply, p.PeerRefused) and reply.code is p.ErrorCode.COMPAT_MISMATCH, reply
+        assert f"page_size: prefill={lane.compat.page_size} decode={value}" in reply.reason, reply
+        return
+    assert isinstance(reply, p.PeerWelcome), reply
+    room = next(LAYOUT_ROOM_IDS)
+    leg = p.LegRequest(pages=pages_bytes([5, 6]), slot=0, generation=1, memory_version=1)
+    sock.send_multipart([envelope(FAKE_DECODE), CODEC.encode(p.RoomRequest(room=room, legs=(leg,)))])
+    live.client.send(room, [1, 2], num_tokens=2 * small_layout().page_size, slot=live.client.alloc_slot())
+    failed = peer_reply(sock, p.RoomFailed)
+    assert failed.room == room and failed.code is p.ErrorCode.COMPAT_MISMATCH, failed
+    assert failed.reason.startswith("incompatible KV layout: ") and how in failed.reason, failed
+    status = live.client.wait(room, timeout=REPLY_TIMEOUT)
+    assert status.state is RoomState.FAILED and status.code is p.ErrorCode.COMPAT_MISMATCH, status
+    assert status.reason == failed.reason
+    live.client.release(room)
+    assert live.daemon.alive()
 
 
 def test_a_hello_from_a_decode_whose_engine_predates_acknowledged_tcp_writes_is_refused(pair, peer_sock):
@@ -767,15 +820,17 @@ def unsigned_frames(draw) -> list[bytes]:
     return [envelope(incarnation, mac), payload]
 
 
+_COMPAT = p.Compat(
+    version=p.PROTOCOL_VERSION, dtype="bfloat16", page_size=4, heads_total=1, bytes_per_token_head=64,
+    page_order=p.PageOrder.TOKEN_MAJOR, kv_packing=p.KVPacking.SEPARATE, mla=False, num_layers_total=4,
+    regions=tuple((layer, kind, 256) for layer in range(4) for kind in (p.RegionKind.K, p.RegionKind.V)),
+    aux_slot_bytes=PAYLOAD + 32,
+)
 _HELLO = p.PeerHello(
     version=p.PROTOCOL_VERSION, incarnation="", session="127.0.0.1:1",
-    compat=p.Compat(version=p.PROTOCOL_VERSION, dtype="bfloat16", page_size=4, heads_total=1, bytes_per_token_head=64,
-                    page_order=p.PageOrder.TOKEN_MAJOR, kv_packing=p.KVPacking.SEPARATE, mla=False, num_layers_total=4,
-                    regions=tuple((layer, kind, 256) for layer in range(4) for kind in (p.RegionKind.K, p.RegionKind.V)),
-                    aux_slot_bytes=PAYLOAD + 32),
-    compat_hash="", region_bases=(0,) * 8, num_pages=NUM_PAGES, aux_base=0, aux_slots=NUM_SLOTS, memory_version=1,
+    lanes=(p.LaneInfo(index=0, rank=p.Rank(), compat=_COMPAT, heads_local=1, layers=(0, 4), region_bases=(0,) * 8,
+                      num_pages=NUM_PAGES, aux_base=0, aux_slots=NUM_SLOTS, memory_version=1),),
 )
-_HELLO = msgspec.structs.replace(_HELLO, compat_hash=p.compat_hash(_HELLO.compat))
 
 
 @FUZZ
@@ -807,7 +862,7 @@ def test_signed_but_malformed_or_premature_messages_to_a_signed_prefill_get_peer
 
 def test_a_correctly_signed_hello_is_welcomed_and_a_decode_with_the_secret_moves_bytes(signed):
     live, _, secret, runtime = signed
-    assert _HELLO.compat == compat_of(*layout_registration(live.client.kv.layout), live.client.aux.slot_bytes)
+    assert _HELLO.lanes[0].compat == compat_of(*layout_registration(live.client.kv.layout), live.client.aux.slot_bytes)
     sock = PeerSocket(live.daemon.bootstrap, secret=SECRET)
     try:
         seal = Seal("c" * 16, SECRET)

@@ -64,7 +64,7 @@ def test_coalescing_gives_one_block_per_run_and_region(src, dst, expected_runs):
 
 def test_blocks_address_the_right_pages():
     plan = one_room([2, 3], [9, 10])
-    (blocks,) = plan.blocks(src_base=1 << 20, dst_base=1 << 30)
+    (blocks,) = plan.blocks((1 << 20,), (1 << 30,))
     page, pool_pages = 256, plan.num_pages
     for r in range(4):  # region r starts at r * pool_pages * page
         assert blocks.src[r] == (1 << 20) + r * pool_pages * page + 2 * page
@@ -323,3 +323,42 @@ def test_bench_catches_a_corrupted_byte_in_every_system():
     for system, result in report["workloads"]["small"]["systems"].items():
         assert result["mismatches"] == 1, (system, result)
         assert f"VERIFICATION FAILED: 1 room(s) of small on {system}" in err
+
+
+@needs_mooncake
+@pytest.mark.integration
+def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
+    """--topology 2:1: two prefill rank processes, one decode rank, one daemon per side
+    serving all of its ranks; the baseline writes the same legs' blocks between the same
+    per-rank pools; every byte of every decode rank checked against the heads it holds."""
+    code, report, err = bench("--workloads", "medium,small", "--systems", "wire,baseline,pdxfer", "--topology", "2:1",
+                              "--heads", "8", "--compare-equal-tp", "--inline-kv-bytes", "0")
+    assert code == 0, err
+    assert set(report["workloads"]) == {"medium", "small", "medium-equal-tp", "small-equal-tp"}
+    for name in ("medium", "small"):
+        wl = report["workloads"][name]
+        assert set(wl["systems"]) == {"baseline", "pdxfer"}, name  # the wire is one stream: 1:1 only
+        base, pdx = wl["systems"]["baseline"], wl["systems"]["pdxfer"]
+        for result in (base, pdx):
+            assert result["mismatches"] == 0 and not result["errors"], (name, result["errors"])
+            assert result["runs"][0]["bytes"] == wl["kv_bytes"]
+        # head slices: two legs per room, each a block per page and region; the baseline wrote exactly those
+        assert base["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
+        assert pdx["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
+        (run,) = pdx["runs"]
+        assert run["extra"]["lanes"] == {"prefill": 2, "decode": 1}
+        assert pdx["median"]["control_per_room"] == pytest.approx(2.0)  # one room_request, one room_accepted
+        equal = wl["equal_tp"]
+        assert equal["topology"] == "1:1" and equal["pdxfer"]["gbps"] > 0 and equal["baseline"]["gbps"] > 0
+        twin = report["workloads"][equal["workload"]]
+        assert set(twin["systems"]) == {"baseline", "pdxfer"} and twin["kv_bytes"] == wl["kv_bytes"]
+        assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["lanes"] == {"prefill": 1, "decode": 1}
+    assert "medium GB/s TP 2:1 >= 0.9x 1:1 (head-major)" in {t["target"] for t in report["targets"]}
+    assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)
+
+
+def test_bench_refuses_a_topology_pdxfer_cannot_split():
+    for flags, why in ((["--topology", "0:1"], "not P:D"), (["--topology", "3:1"], "divisible"),
+                       (["--heads", "3"], "bytes per head")):
+        proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", *flags], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and why in proc.stderr, (flags, proc.stderr)

@@ -156,6 +156,15 @@ def test_unknown_key_in_file_is_refused(tmp_path):
         config.load(env={}, file=path)
 
 
+def test_the_engines_endpoint_variable_is_not_the_daemons_and_a_misspelt_one_is_refused():
+    """PDXFER_ENDPOINT names an engine's daemon (pdxfer.adapters): a daemon started in
+    the same environment passes over it, and still refuses what it does not know."""
+    env = {"PDXFER_ROLE": "decode", "PDXFER_ENDPOINT": "ipc:///run/p/decode.engine.sock"}
+    assert config.load(env=env).role is Role.DECODE
+    with pytest.raises(ValueError, match="unknown environment variable PDXFER_ENDPIONT"):
+        config.load(env={**env, "PDXFER_ENDPIONT": "x"})
+
+
 def test_missing_role_is_refused():
     with pytest.raises(ValueError, match="role"):
         config.load(env={})

@@ -143,14 +143,14 @@ def test_a_client_keeps_rooms_its_daemon_releases_only_until_their_status_is_cla
     monkeypatch.setattr(client_module, "MAX_SELF_RELEASED", 2)
     requests, codec = _Requests("unused"), Codec()
     for room in (1, 2, 3):
-        requests._posting(requests._send(room, [room], 4, (room, 1), 0, 1, False, True, 0, True))
+        requests._posting(requests._send(room, [room], 4, (room, 1), 0, 1, False, True, 0, True, None))
         assert requests._incoming(codec.encode(RoomStatus(req=0, room=room, state=RoomState.SUCCESS, fenced=True))) is None
     assert list(requests._self_released) == [2, 3] and set(requests._status) == {2, 3}  # room 1 forgotten unclaimed
     unsettled = RoomStatus(req=0, room=2, state=RoomState.TRANSFERRING)
     assert requests._claimed(2, unsettled) is unsettled and 2 in requests._status  # only a settled status is the last word
     requests._claimed(3, requests._status[3])
     assert set(requests._status) == {2} and list(requests._self_released) == [2]
-    requests._posting(requests._send(4, [4], 4, (4, 1), 0, 1, False, False, 0, True))  # the engine releases this one
+    requests._posting(requests._send(4, [4], 4, (4, 1), 0, 1, False, False, 0, True, None))  # the engine releases this one
     requests._incoming(codec.encode(RoomStatus(req=0, room=4, state=RoomState.SUCCESS, fenced=True)))
     requests._claimed(4, requests._status[4])
     assert 4 in requests._status  # kept for its release()
@@ -300,7 +300,7 @@ async def test_requests_that_do_not_wait_raise_their_refusal_in_wait(daemons):
             await waiting
         # A full queue cannot be made here on demand: hand the request to the
         # socket's drop callback, as the socket does when its queue is full.
-        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False, 0)
+        lost = client._expect(5, "127.0.0.1:1", np.array([1]), slot, 0, None, False, 0, None)
         client._posting(lost)
         client._dropped(None, [client.codec.encode(lost)])
         with pytest.raises(errors.Busy, match="queue to the daemon") as exc:

@@ -4,12 +4,17 @@ the invariants the daemon relies on; the Dockerfile keeps its own. No cluster an
 Docker are needed, and the whole file runs in a few seconds.
 
 The daemon's settings are read from the built manifests and loaded with
-pdxfer.core.config itself, so a manifest cannot set an option the daemon would refuse."""
+pdxfer.core.config itself, so a manifest cannot set an option the daemon would refuse.
+
+Two shapes of deployment are checked: a worker pod (an engine with its daemon as a
+native sidecar, base/), and a node daemon (a DaemonSet running only the daemon, per-node/)
+with engines in pods of their own that reach it through the node."""
 
 from __future__ import annotations
 
 import base64
 import functools
+import os
 import posixpath
 import re
 import shlex
@@ -24,10 +29,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdxfer.adapters.sglang.link import daemon_endpoint
 from pdxfer.core import config
 from pdxfer.core.plan import pool_bytes
 from pdxfer.core.protocol import KVLayout, Layout
 from pdxfer.core.stamp import HEADER_BYTES
+from pdxfer.ops.hostchecks import check_socket_dir
 from pdxfer.tools import sim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +45,8 @@ BUILDS = ["base", *(f"overlays/{name}" for name in OVERLAYS)]
 # The oldest Kubernetes the manifests claim to support, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 
-DAEMON = "pdxfer"  # the daemon's container in every worker pod
+DAEMON = "pdxfer"  # the daemon's container in every worker pod and node daemon
+PREPARER = "runtime-dir"  # a node daemon's init container that makes its runtime dir on the node
 PDXFER_LABEL = ("app.kubernetes.io/part-of", "pdxfer")  # what the NetworkPolicy admits, with a role
 ROLE_LABEL = "app.kubernetes.io/component"  # prefill or decode, set by the overlays
 # The one role whose pods may open each of a worker's pdxfer ports: a prefill's transfer
@@ -116,12 +124,18 @@ class Worker:
         return [*self.pod.get("initContainers", []), *self.pod["containers"]]
 
     @property
+    def node(self) -> bool:
+        """A node daemon (a DaemonSet serving the engines of other pods), not a worker."""
+        return self.doc["kind"] == "DaemonSet"
+
+    @property
     def daemon(self) -> dict:
-        return next(c for c in self.pod.get("initContainers", []) if c["name"] == DAEMON)
+        return next(c for c in self.pod["containers" if self.node else "initContainers"] if c["name"] == DAEMON)
 
     @property
     def engines(self) -> list[dict]:
-        return self.pod["containers"]
+        """The engine containers beside the daemon (none beside a node daemon)."""
+        return [] if self.node else self.pod["containers"]
 
     @property
     def volumes(self) -> dict[str, dict]:
@@ -136,12 +150,39 @@ class Worker:
 
 
 def workers(docs) -> list[Worker]:
-    found = [Worker(d) for d in docs if d["kind"] in WORKLOADS]
-    for worker in found:
+    """The workloads that run a daemon: workers (the daemon a native sidecar beside the
+    engine) and node daemons (a DaemonSet running the daemon alone). A workload with no
+    daemon is an engine that must reach a node daemon (node_engines)."""
+    found = []
+    for doc in docs:
+        if doc["kind"] not in WORKLOADS:
+            continue
+        worker = Worker(doc)
         sidecars = [c["name"] for c in worker.pod.get("initContainers", [])]
-        assert DAEMON in sidecars, f"{worker} has no {DAEMON} sidecar (init container) beside its engine: {sidecars}"
-        assert DAEMON not in [c["name"] for c in worker.pod["containers"]], f"{worker} runs {DAEMON} as a plain container too"
-        assert worker.engines, f"{worker} runs the daemon without an engine container"
+        plain = [c["name"] for c in worker.pod["containers"]]
+        if worker.node:
+            assert plain == [DAEMON] and DAEMON not in sidecars, f"{worker}: a node daemon's pod runs {DAEMON} alone, not {plain}"
+        elif DAEMON in sidecars:
+            assert DAEMON not in plain, f"{worker} runs {DAEMON} as a plain container too"
+            assert worker.engines, f"{worker} runs the daemon without an engine container"
+        elif DAEMON in plain:
+            pytest.fail(f"{worker} runs {DAEMON} as a plain container: make it the engine's native sidecar, or a DaemonSet")
+        else:
+            continue
+        found.append(worker)
+    return found
+
+
+def node_engines(docs) -> list[Worker]:
+    """Workloads running engines without a daemon of their own: each must reach a node
+    daemon (test_engines_reach_their_node_daemon), so a worker that lost its sidecar
+    fails there."""
+    found = []
+    for doc in docs:
+        if doc["kind"] in WORKLOADS - {"DaemonSet"}:
+            engine = Worker(doc)
+            if DAEMON not in [c["name"] for c in engine.containers]:
+                found.append(engine)
     return found
 
 
@@ -198,6 +239,13 @@ def mount_for(container: dict, path: str) -> Mount | None:
     root, m = best
     inside = posixpath.normpath(posixpath.join(m.get("subPath", ""), posixpath.relpath(path, root)))
     return Mount(m["name"], inside, m)
+
+
+def node_path(worker: Worker, container: dict, path: str) -> str | None:
+    """The node's path behind ``path`` in ``container``, when a hostPath volume holds it."""
+    at = mount_for(container, path)
+    source = worker.volumes[at.volume].get("hostPath") if at else None
+    return posixpath.normpath(posixpath.join(source["path"], at.inside)) if source else None
 
 
 def container_port(container: dict, port) -> int | None:
@@ -269,34 +317,43 @@ def quantity_bytes(quantity) -> int:
     return int(float(number) * units.get(unit, 1))
 
 
-def worker_params() -> list:
-    """(overlay, workload name) for every worker of every overlay. An overlay that does
-    not build gets one placeholder, which fails with the build's error."""
+def worker_params(pick) -> list:
+    """(overlay, workload name) for every workload ``pick`` accepts of every overlay
+    (pick: built docs -> workloads). An overlay that does not build gets one
+    placeholder, which fails with the build's error."""
     params = []
     for overlay in OVERLAYS:
         try:
-            names = [w.doc["metadata"]["name"] for w in workers(build(f"overlays/{overlay}"))]
+            names = [w.doc["metadata"]["name"] for w in pick(build(f"overlays/{overlay}"))]
         except (Exception, pytest.fail.Exception):
             names = ["unbuilt"]
         params += [pytest.param(overlay, name, id=f"{overlay}:{name}") for name in names]
     return params
 
 
-WORKERS = worker_params()
+DAEMONS = worker_params(workers)  # workers and node daemons
+WORKERS = worker_params(lambda docs: [w for w in workers(docs) if not w.node])
+NODES = worker_params(lambda docs: [w for w in workers(docs) if w.node])
+ENGINES = worker_params(node_engines)
+
+
+def named(docs, name: str) -> Worker:
+    found = [w for w in [*workers(docs), *node_engines(docs)] if w.doc["metadata"]["name"] == name]
+    assert found, f"no workload {name}"
+    return found[0]
 
 
 @pytest.fixture
 def worker(overlay, name) -> Worker:
-    found = [w for w in workers(build(f"overlays/{overlay}")) if w.doc["metadata"]["name"] == name]
-    assert found, f"overlay {overlay} has no worker {name}"
-    return found[0]
+    return named(build(f"overlays/{overlay}"), name)
 
 
 # --- the manifests build and validate
 
 
 def test_every_overlay_is_tested():
-    assert {"prefill", "decode", "rdma", "demo-cpu"} <= set(OVERLAYS)
+    assert {"prefill", "decode", "rdma", "demo-cpu", "per-node-prefill", "per-node-decode", "per-node-rdma"} <= set(OVERLAYS)
+    assert NODES and ENGINES, "the per-node overlays run node daemons and engines"
 
 
 def schema_errors(docs) -> list[str]:
@@ -341,7 +398,7 @@ def test_overlay_runs_workers(overlay):
 # --- the daemon's configuration
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_daemon_configuration_loads(overlay, worker):
     cfg = worker.config()
     assert cfg.role.value in ("prefill", "decode")
@@ -413,7 +470,7 @@ def test_dev_shm_is_shared_and_memory_backed(overlay, worker):
     assert volume.get("emptyDir", {}).get("medium") == "Memory", "/dev/shm must be a memory-backed emptyDir"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_probes_use_the_daemons_http_port(overlay, worker):
     assert "PDXFER_HTTP_PORT" in worker.env(), "set PDXFER_HTTP_PORT: the probes depend on it"
     port = option(worker, "http_port", 0)
@@ -429,7 +486,7 @@ def test_probes_use_the_daemons_http_port(overlay, worker):
         assert container_port(daemon, get["port"]) == port, f"{probe} probes port {get['port']}, not {port}"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_cluster_secret_is_mounted_where_the_daemon_reads_it(overlay, worker):
     path = worker.env().get("PDXFER_CLUSTER_SECRET_FILE")
     assert path, "PDXFER_CLUSTER_SECRET_FILE is not set"
@@ -453,9 +510,12 @@ def test_cluster_secret_is_mounted_where_the_daemon_reads_it(overlay, worker):
             assert len(values[key].strip()) >= 16, "the daemon refuses a cluster secret under 16 bytes"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_no_container_runs_as_root(overlay, worker):
+    """None but a node daemon's runtime-dir preparer, which test_node_daemon_runs_in_the_hosts_namespaces checks."""
     for container in [*worker.containers, *worker.pod.get("ephemeralContainers", [])]:
+        if worker.node and container["name"] == PREPARER:
+            continue
         user = effective(worker.pod, container, "runAsUser")
         non_root = effective(worker.pod, container, "runAsNonRoot")
         assert user != 0, f"container {container['name']} runs as UID 0"
@@ -465,14 +525,14 @@ def test_no_container_runs_as_root(overlay, worker):
         assert not context.get("privileged"), f"container {container['name']} is privileged"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_grace_period_outlasts_the_drain(overlay, worker):
     drain = option(worker, "drain_timeout", 30.0)
     grace = worker.pod.get("terminationGracePeriodSeconds", 30)
     assert grace > drain, f"terminationGracePeriodSeconds {grace} must exceed the drain timeout {drain}"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_every_container_has_requests_and_limits(overlay, worker):
     for container in worker.containers:
         resources = container.get("resources", {})
@@ -483,7 +543,7 @@ def test_every_container_has_requests_and_limits(overlay, worker):
 # --- Services, NetworkPolicies, PodDisruptionBudgets
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_prefill_bootstrap_port_is_exposed_by_a_service(overlay, worker):
     cfg = worker.config()
     if cfg.role.value != "prefill":
@@ -524,7 +584,7 @@ def shown(ports) -> str:
     return f"{ports[:3]}{'...' if len(ports) > 3 else ''}"
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_network_policy_admits_pdxfer_ports_only_from_the_role_that_dials_them(overlay, worker):
     docs = build(f"overlays/{overlay}")
     cfg, env = worker.config(), worker.env()
@@ -587,13 +647,107 @@ def test_pod_disruption_budget_covers_the_worker(overlay, worker):
     assert budgets, f"no PodDisruptionBudget covers {worker}"
 
 
+# --- node daemons (per-node/) and their engines
+
+
+@pytest.mark.parametrize("overlay, name", NODES)
+def test_node_daemon_runs_on_its_pool_in_the_hosts_namespaces(overlay, worker):
+    """A DaemonSet (no replica count: a pod on every node of the pool its nodeSelector
+    names) in the host's pid and IPC namespaces, which its engines' pods join too;
+    seeing every GPU without taking one from the engines; rolled out with each node's
+    old daemon gone before the new one starts."""
+    spec, pod, daemon = worker.doc["spec"], worker.pod, worker.daemon
+    assert worker.doc["kind"] == "DaemonSet" and "replicas" not in spec
+    assert pod.get("nodeSelector"), f"{worker}: no nodeSelector naming the node pool of its role"
+    assert pod.get("hostPID") is True, (
+        "the host's pid namespace: CUDA IPC across pods needs one, the daemon sees an engine die, and engines sweeping "
+        "/dev/shm for pools of processes that are gone must see each other's"
+    )
+    assert pod.get("hostIPC") is True, "the host's IPC namespace, and with it the host's /dev/shm, where the engines' pools are"
+    for container in worker.containers:
+        assert mount_for(container, "/dev/shm") is None, f"{container['name']}: a volume at /dev/shm hides the host's, which hostIPC brings"
+    strategy = spec.get("updateStrategy", {})
+    assert strategy.get("type", "RollingUpdate") == "RollingUpdate"
+    assert str(strategy.get("rollingUpdate", {}).get("maxSurge", 0)) in ("0", "0%"), (
+        "a surge pod would be a second daemon of one name on the node, contending for its name lock and socket"
+    )
+    assert worker.env().get("NVIDIA_VISIBLE_DEVICES") == "all", "the daemon opens the CUDA IPC handles of every GPU of its node"
+    for section in ("requests", "limits"):
+        gpus = [k for k in daemon.get("resources", {}).get(section, {}) if k.startswith("nvidia.com/")]
+        assert not gpus, f"{worker} asks for {gpus}: a GPU the daemon is given is one no engine can have"
+
+
+@pytest.mark.parametrize("overlay, name", NODES)
+def test_node_daemon_runtime_dir_is_on_the_node_and_made_for_its_uid(overlay, worker, tmp_path):
+    """PDXFER_RUNTIME_DIR is a subdirectory of a hostPath, which the kubelet creates root's:
+    an init container makes it owner-only for the daemon's UID, as root with CAP_CHOWN
+    alone. Its command is run here (owner: this test's UID) and the daemon's own check
+    of a runtime dir must accept what it makes."""
+    cfg, pod = worker.config(), worker.pod
+    at = mount_for(worker.daemon, cfg.socket_dir)
+    assert at and "hostPath" in worker.volumes[at.volume], (
+        f"{worker}: PDXFER_RUNTIME_DIR {cfg.socket_dir} is on no hostPath volume, which engines in other pods could share"
+    )
+    assert at.inside != ".", "the runtime dir must be a subdirectory of the hostPath, whose top belongs to root"
+    uid, gid = effective(pod, worker.daemon, "runAsUser"), effective(pod, worker.daemon, "runAsGroup")
+    assert uid not in (None, 0), "with hostPID, UID 0 could signal every root process of the node"
+    (preparer,) = [c for c in pod.get("initContainers", []) if c["name"] == PREPARER]
+    assert "restartPolicy" not in preparer, "it must finish before the daemon starts"
+    env = env_of(preparer)
+    theirs = mount_for(preparer, env.get("RUNTIME_DIR") or "/")
+    assert theirs and (theirs.volume, theirs.inside) == (at.volume, at.inside), f"{PREPARER} makes {env.get('RUNTIME_DIR')}, not {cfg.socket_dir}"
+    assert env.get("OWNER") == f"{uid}:{gid}", f"{PREPARER} gives the directory to {env.get('OWNER')}, not the daemon's {uid}:{gid}"
+    context = preparer.get("securityContext", {})
+    assert context.get("capabilities") == {"drop": ["ALL"], "add": ["CHOWN"]}, context.get("capabilities")
+    assert context.get("allowPrivilegeEscalation") is False and not context.get("privileged")
+    made = tmp_path / "run" / "sock"
+    words = [*preparer["command"], *preparer.get("args", [])]
+    out = subprocess.run(words, env={"PATH": "/usr/bin:/bin", "RUNTIME_DIR": str(made), "OWNER": f"{os.getuid()}:{os.getgid()}"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    check = check_socket_dir("runtime dir", "--runtime-dir", str(made), str(made / f"{cfg.instance}.engine.sock"))
+    assert check.status == "OK", f"the daemon would refuse what {PREPARER} makes: {check.detail}"
+
+
+@pytest.mark.parametrize("overlay, name", ENGINES)
+def test_engines_reach_their_node_daemon(overlay, worker):
+    """An engine pod without a daemon beside it lands only where a node daemon of its
+    role runs, joins the same host namespaces, runs as the daemon's UID, and finds the
+    daemon's socket on the node as the adapters do (PDXFER_RUNTIME_DIR and its role)."""
+    role = worker.labels.get(ROLE_LABEL)
+    assert role in ("prefill", "decode"), f"{worker}: an engine pod is labelled with its role ({ROLE_LABEL})"
+    pool = worker.pod.get("nodeSelector", {})
+    daemons = [
+        d for d in workers(build(f"overlays/{overlay}"))
+        if d.node and d.namespace == worker.namespace and d.config().role.value == role
+        and all(pool.get(k) == v for k, v in d.pod.get("nodeSelector", {}).items())
+    ]
+    assert daemons, f"{worker}: no {role} node daemon runs on every node its nodeSelector {pool} admits"
+    assert worker.pod.get("hostPID") is True and worker.pod.get("hostIPC") is True, f"{worker} must share the daemon's pid and IPC namespaces"
+    assert worker.pod.get("enableServiceLinks") is False, "the adapters refuse unknown PDXFER_* variables, which service links inject"
+    assert worker.labels.get(PDXFER_LABEL[0]) != PDXFER_LABEL[1], "the NetworkPolicies admit pdxfer daemons, not engines, by that label"
+    for daemon in daemons:
+        cfg = daemon.config()
+        socket = node_path(daemon, daemon.daemon, cfg.engine_address[len("ipc://") :])
+        uid = effective(daemon.pod, daemon.daemon, "runAsUser")
+        for engine in worker.pod["containers"]:
+            env = {k: v for k, v in env_of(engine).items() if v is not None}
+            endpoint = daemon_endpoint(role, env)
+            theirs = node_path(worker, engine, endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+            assert theirs == socket, f"engine {engine['name']} dials {endpoint} (on the node: {theirs}), not {daemon}'s socket {socket}"
+            assert mount_for(engine, "/dev/shm") is None, f"engine {engine['name']}: a volume at /dev/shm hides the host's"
+            assert effective(worker.pod, engine, "runAsUser") == uid, f"engine {engine['name']} must run as the daemon's UID {uid}"
+            resources = engine.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})) and "memory" in resources.get("limits", {}), engine["name"]
+
+
 # --- protocol overlays and the demo
 
 
-@pytest.mark.parametrize("overlay, name", WORKERS)
+@pytest.mark.parametrize("overlay, name", DAEMONS)
 def test_rdma_workers_ask_for_an_rdma_device(overlay, worker):
     if worker.config().protocol != "rdma":
-        assert overlay != "rdma", "the rdma overlay must set PDXFER_PROTOCOL=rdma"
+        assert "rdma" not in overlay, f"the {overlay} overlay must set PDXFER_PROTOCOL=rdma"
         return
     for section in ("requests", "limits"):
         assert any(k.startswith("rdma/") for k in worker.daemon.get("resources", {}).get(section, {})), (
@@ -630,16 +784,18 @@ def test_demo_engines_agree_and_fit():
     assert int(port) == prefill[0].config().bootstrap_port
 
 
-# --- optional components, built on top of the prefill and decode overlays
+# --- optional components, built on top of the prefill and decode overlays, per rank and per node
+
+ROLE_OVERLAYS = ("prefill", "decode", "per-node-prefill", "per-node-decode")
 
 
 def build_with(tmp_path: Path, components: list[str]) -> tuple[dict, ...]:
-    """The prefill and decode overlays with ``components`` added, as a user's own
-    kustomization would add them."""
+    """The prefill and decode overlays (workers and node daemons) with ``components``
+    added, as a user's own kustomization would add them."""
     up = posixpath.relpath(K8S, tmp_path)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [f"{up}/overlays/prefill", f"{up}/overlays/decode"], "components": [f"{up}/{c}" for c in components],
+        "resources": [f"{up}/overlays/{o}" for o in ROLE_OVERLAYS], "components": [f"{up}/{c}" for c in components],
     }))
     out = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"kustomize build with {components} failed:\n{out.stderr}"
@@ -649,11 +805,16 @@ def build_with(tmp_path: Path, components: list[str]) -> tuple[dict, ...]:
 def test_root_engine_component_runs_engine_and_daemon_as_one_uid_without_privileges(tmp_path):
     """Stock SGLang and vLLM images run as root: with components/root-engine both
     containers run as UID 0 (one UID is what the owner-only socket directory and pools
-    need), with every capability dropped and no escalation."""
+    need), with every capability dropped and no escalation. Node daemons and their
+    engines keep their UID: with hostPID, UID 0 could signal every root process of the node."""
     docs = build_with(tmp_path, ["components/root-engine"])
     errors = schema_errors(docs)
     assert not errors, "\n".join(errors)
-    found = workers(docs)
+    nodes = [w for w in [*workers(docs), *node_engines(docs)] if w.pod.get("hostPID")]
+    assert len(nodes) == 4
+    for worker in nodes:
+        assert all(effective(worker.pod, c, "runAsUser") != 0 for c in worker.containers if c["name"] != PREPARER), f"{worker} runs as root"
+    found = [w for w in workers(docs) if not w.node]
     assert len(found) == 2
     for worker in found:
         worker.config()
@@ -687,7 +848,7 @@ def test_prometheus_component_scrapes_every_daemon_and_may_reach_it(tmp_path):
     assert endpoints and all(set(e) <= PODMONITOR_ENDPOINT for e in endpoints), endpoints
     prometheus = {"app.kubernetes.io/name": "prometheus"}
     found = workers(docs)
-    assert {w.config().role.value for w in found} == {"prefill", "decode"}
+    assert {(w.node, w.config().role.value) for w in found} == {(n, r) for n in (False, True) for r in ("prefill", "decode")}
     for worker in found:
         assert namespace_of(monitor) == worker.namespace and selects(spec["selector"], worker.labels), f"{worker} is not scraped"
         assert all(label in worker.labels for label in spec.get("podTargetLabels", []))

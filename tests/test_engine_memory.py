@@ -8,6 +8,7 @@ compared with a reference computed here with numpy from the source tensors."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -15,9 +16,9 @@ import pytest
 
 from pdxfer import AsyncClient, Client, Heads, KVPacking, KVRegion, KVSpec, PageOrder, Rank, RegionKind, Role, RoomState
 from pdxfer.core import errors
-from pdxfer.core.protocol import ErrorCode
+from pdxfer.core.protocol import AdminSlots, ErrorCode
 from pdxfer.host.memory import KV_POOL_PREFIX, SHM_DIR, SharedMemory
-from pdxfer.ops.inspection import daemon_counters
+from pdxfer.ops.inspection import AdminClient, daemon_counters
 
 from .conftest import needs_mooncake
 from .roomkit import wait_until
@@ -212,7 +213,9 @@ def test_a_room_sent_in_four_chunks_writes_each_chunk_as_it_comes(engines):
     wait_until(first_chunk_landed, 10, "the first chunk's bytes at the destination")
     assert counter(engines.prefill_daemon, "bytes_moved") - moved == 4 * src.page_bytes
     assert prefill.poll(103).state is RoomState.TRANSFERRING
-    assert decode.poll(103).state is RoomState.TRANSFERRING  # the aux record waits for the last chunk
+    # transfer_started travels the bootstrap channel and then to the engine, the bytes the
+    # transfer engine: either may come first. The aux record waits for the last chunk.
+    wait_until(lambda: decode.poll(103).state is RoomState.TRANSFERRING, 10, "the decode side to hear writes began")
     assert not any(np.array_equal(pages[dst_pages[4:]], want[key][dst_pages[4:]]) for key, pages in dst.pages.items())
     for at in (4, 8):
         prefill.send(103, src_pages[at : at + 4], first_page=at, last=False)
@@ -341,42 +344,67 @@ async def test_a_thousand_polls_of_an_async_client_send_no_message_to_the_daemon
         dst.close()
 
 
-def test_incompatible_registrations_are_refused_naming_every_differing_field(engines):
+def test_incompatible_registrations_fail_their_rooms_naming_every_differing_field(engines):
+    """Layouts are compared once both halves of a room are in: a decode daemon serves
+    many ranks, so another layout fails the rooms between the two ranks, not the hello
+    (but for the page size, refused at the handshake: test_integration)."""
     src = SGLangKV(layers=2, page_size=4, dtype="float16")
-    dst = SGLangKV(layers=3, page_size=8, dtype="float32")
+    dst = SGLangKV(layers=3, page_size=4, dtype="float32")
     prefill, decode, boot = engines(src, dst)
     decode.expect(112, boot, [1], decode.alloc_slot())
-    status = decode.wait(112)
-    assert (status.state, status.code) == (RoomState.FAILED, ErrorCode.COMPAT_MISMATCH), status
-    for named in ("dtype: prefill='float16' decode='float32'", "page_size: prefill=4 decode=8",
-                  "bytes_per_token_head: prefill=32 decode=64", "num_layers_total: prefill=2 decode=3",
-                  "regions: prefill=[0:k:256, 0:v:256, 1:k:256, 1:v:256] decode=[0:k:1024, 0:v:1024, 1:k:1024, 1:v:1024, 2:k:1024, 2:v:1024]"):
-        assert named in status.reason, status.reason
+    prefill.send(112, [2], num_tokens=4, slot=prefill.alloc_slot(), aux_bytes=0)
+    for side in (decode, prefill):
+        status = side.wait(112)
+        assert (status.state, status.code) == (RoomState.FAILED, ErrorCode.COMPAT_MISMATCH), status
+        assert "incompatible KV layout: " in status.reason, status.reason
+        for named in ("dtype: prefill='float16' decode='float32'",
+                      "bytes_per_token_head: prefill=32 decode=64", "num_layers_total: prefill=2 decode=3",
+                      "regions: prefill=[0:k:256, 0:v:256, 1:k:256, 1:v:256] decode=[0:k:512, 0:v:512, 1:k:512, 1:v:512, 2:k:512, 2:v:512]"):
+            assert named in status.reason, status.reason
 
 
-def test_a_daemon_refuses_what_one_rank_per_daemon_cannot_serve_naming_the_fix(engines):
+def lane_slots(daemon) -> dict[int, int]:
+    """Slots by lane, as the daemon's admin API lists them."""
+    with AdminClient(daemon.ready["admin"]) as admin:
+        return dict(collections.Counter(slot.lane for slot in admin.call(AdminSlots).slots))
+
+
+def test_a_daemon_serves_every_rank_of_an_engine_each_in_a_lane_of_its_own(engines):
+    """Two ranks of one engine on one daemon are both welcome, each with its own KV
+    and aux buffer (a lane); the rank that connects again (a restarted engine) finds
+    its lane. What a daemon cannot serve is refused naming the fix."""
     prefill_daemon = engines.prefill_daemon
-    first = Client(prefill_daemon.engine, timeout=10, engine_id="eng", rank=Rank(tp=0), sizes=Rank(tp=2))
-    first.connect()
-    cases = [
-        (dict(role=Role.DECODE), "is a decode engine but this daemon is a prefill daemon: connect it to a decode daemon"),
-        (dict(sizes=Rank(cp=2)), "context parallelism (CP size 2), which pdxfer does not support yet: run it with CP 1"),
-        (dict(rank=Rank(tp=1), sizes=Rank(tp=2)), "is rank dp=0 pp=0 tp=1 cp=0 of dp=1 pp=1 tp=2 cp=1, but this daemon serves "
-                                                  "rank dp=0 pp=0 tp=0 cp=0 of dp=1 pp=1 tp=2 cp=1: a daemon serves one engine "
-                                                  "rank for now, so start a daemon beside each rank"),
-    ]
+    before = lane_slots(prefill_daemon)
+    kvs = [SGLangKV(layers=1), SGLangKV(layers=1, heads=1)]
+    ranks = [Client(prefill_daemon.engine, timeout=10, engine_id="eng", rank=Rank(tp=tp), sizes=Rank(tp=2)) for tp in (0, 1)]
     try:
-        for options, named in cases:
+        for client, kv, slots in zip(ranks, kvs, (3, 5)):
+            client.connect()
+            assert client.register_kv(kv.buffers, kv.spec, kv.regions) == 1  # each rank its own pool: its first registration
+            client.create_aux_buffer(slots, PAYLOAD)
+        after = lane_slots(prefill_daemon)
+        new = {lane: count for lane, count in after.items() if lane not in before}
+        assert sorted(new.values()) == [3, 5] and after == before | new, (before, after)
+        assert [client.alloc_slot().index for client in ranks] == [0, 0]  # slots are per lane
+        for options, named in [
+            (dict(role=Role.DECODE), "is a decode engine but this daemon is a prefill daemon: connect it to a decode daemon"),
+            (dict(sizes=Rank(cp=2)), "context parallelism (CP size 2), which pdxfer does not support yet: run it with CP 1"),
+        ]:
             client = Client(prefill_daemon.engine, timeout=10, engine_id="eng", **options)
             with pytest.raises(errors.Unsupported) as caught:
                 client.connect()
             assert named in str(caught.value)
             client.close()
-        again = Client(prefill_daemon.engine, timeout=10, engine_id="eng", rank=Rank(tp=0), sizes=Rank(tp=2))
-        again.connect()  # the rank it serves, from another connection (a restarted engine): welcome
+        again = Client(prefill_daemon.engine, timeout=10, engine_id="eng", rank=Rank(tp=1), sizes=Rank(tp=2))
+        again.connect()  # a rank it serves, from another connection (a restarted engine): welcome, in its lane
+        with pytest.raises(errors.StaleMemoryVersion):  # which holds the first registration of these buffers
+            again.register_kv(kvs[1].buffers, kvs[1].spec, kvs[1].regions, memory_version=1)
+        assert again.register_kv(kvs[1].buffers, kvs[1].spec, kvs[1].regions, memory_version=2) == 2
         again.close()
+        assert lane_slots(prefill_daemon) == after
     finally:
-        first.close()
+        for thing in (*ranks, *kvs):
+            thing.close()
 
 
 def test_registering_again_bumps_the_memory_version_and_a_recreated_buffer_is_mapped_anew(engines):

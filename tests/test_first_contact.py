@@ -21,7 +21,6 @@ import time
 
 import pytest
 
-from pdxfer.core.plan import pool_bytes
 from pdxfer.core.protocol import ErrorCode, RoomState
 from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.tools.launch import start_daemon
@@ -205,13 +204,35 @@ def test_the_readme_shows_the_engine_example_file_in_full():
         assert readme_block("python", "from pdxfer import Client") == fh.read()
 
 
-def test_the_engine_example_states_its_shared_memory_as_it_maps_it():
+def load_example():
     spec = importlib.util.spec_from_file_location("engine_example", os.path.join(ROOT, "examples", "engine.py"))
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert pool_bytes(example.layout) == 128 * 2**20 and "= 128 MiB" in example.__doc__
+    return example
+
+
+def test_the_engine_example_states_its_model_and_shared_memory_as_it_maps_them():
+    example = load_example()
+    doc = " ".join(example.__doc__.split())
+    for tp in (1, 2, 8):
+        with example.kv_cache(len(example.rank_heads(0, tp))) as memory:
+            assert sum(m.size for m in memory.values()) == 32 * 2**20 // tp
+    assert "= 32 MiB / TP" in doc and f"{example.LAYERS} layers of {example.HEADS} KV heads of {example.HEAD_DIM} float32" in doc
+    assert (f"{example.LAYERS} layers x K and V x {example.NUM_PAGES} pages x {example.PAGE_SIZE} tokens x {example.HEADS}/TP heads "
+            f"x {example.HEAD_DIM * 4} bytes") in doc
+    assert f"the prompt's {example.NUM_TOKENS} tokens" in doc and f"ceil(({example.NUM_TOKENS} + {example.DRAFT_TOKENS}) / {example.PAGE_SIZE})" in doc
+    assert f"(0 to {example.NUM_PAGES - 1})" in doc and f"token t of page p at row p * {example.PAGE_SIZE} + t" in doc
     aux = example.AUX_SLOTS * (HEADER_BYTES + example.AUX_PAYLOAD_BYTES)
-    assert f"(a {HEADER_BYTES}-byte stamp" in example.__doc__ and f"= {aux / 2**20:.1f} MiB" in example.__doc__, aux
+    assert f"(a {HEADER_BYTES}-byte stamp" in doc and f"= {aux / 2**20:.1f} MiB" in doc, aux
+
+
+def test_the_engine_example_ranks_hold_every_head_once():
+    """Its ranks split the model's heads as the docstring says: every head held by
+    exactly one rank, in order, whatever the TP size that divides them."""
+    example = load_example()
+    for tp in (1, 2, 4, 8):
+        held = [h for rank in range(tp) for h in example.rank_heads(rank, tp)]
+        assert held == list(range(example.HEADS)), (tp, held)
 
 
 def test_the_readme_engine_example_runs_as_written(runtime_dir):
@@ -235,7 +256,35 @@ def test_the_readme_engine_example_runs_as_written(runtime_dir):
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait()
     lines = out.splitlines()
-    assert "prefill room 7: success" in lines and "decode room 7: success" in lines, out
+    said = {line.split(":")[0]: line.split(": ", 1)[1] for line in lines if line.split(" rank ")[0] in ("prefill", "decode")}
+    assert said.keys() == {"prefill rank 0 of 2, room 7", "prefill rank 1 of 2, room 7", "decode rank 0 of 1, room 7"}, out
+    assert all(outcome.startswith("success") for outcome in said.values()), out
+    assert "heads 0-7 of every layer and the aux record as the prefill wrote them" in said["decode rank 0 of 1, room 7"], out
     assert not any(line.startswith("Traceback") for line in lines), out
     for role in ("prefill", "decode"):  # the script's last line stopped both daemons
         assert any(line.endswith(f"pdxfer {role} daemon {role} stopped") for line in lines), out
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (4, 2)], ids=["fan-out", "fan-in"])
+def test_the_engine_example_moves_a_room_between_the_tp_sizes_its_flags_choose(daemons, runtime_dir, prefill_tp, decode_tp):
+    """As its docstring says, other TP sizes work too: every decode rank checks its heads
+    against what the prefill ranks wrote."""
+    # One request for every decode rank's legs whatever the ranks' timing (A5), as tests/test_ranks.py runs them.
+    prefill, _ = daemons("prefill"), daemons("decode", "--expect-batch-ms", "10000")
+    script = os.path.join(ROOT, "examples", "engine.py")
+    env = {**os.environ, "PYTHONPATH": ROOT, "PDXFER_RUNTIME_DIR": runtime_dir}
+    decode = subprocess.Popen([sys.executable, script, "decode", "11", prefill.bootstrap, "--tp", str(decode_tp), "--prefill-tp", str(prefill_tp)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        sent = subprocess.run([sys.executable, script, "prefill", "11", "--tp", str(prefill_tp)], capture_output=True, text=True, env=env, timeout=120)
+        received, _ = decode.communicate(timeout=120)
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.wait()
+    assert sent.returncode == 0 and decode.returncode == 0, (sent.stdout, sent.stderr, received)
+    assert sorted(sent.stdout.splitlines()) == [f"prefill rank {r} of {prefill_tp}, room 11: success" for r in range(prefill_tp)], sent.stdout
+    heads = 8 // decode_tp
+    assert sorted(line for line in received.splitlines() if line.startswith("decode rank")) == [
+        f"decode rank {r} of {decode_tp}, room 11: success; heads {r * heads}-{(r + 1) * heads - 1} of every layer and the aux record as the prefill wrote them"
+        for r in range(decode_tp)], received

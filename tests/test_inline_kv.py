@@ -15,7 +15,7 @@ import pytest
 
 from pdxfer.core import paths
 from pdxfer.core.plan import layout_registration, pages_to_bytes, pool_bytes, region_views
-from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
+from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, LegRequest, PeerHello, PeerWelcome, RoomAccepted, RoomRequest, RoomState
 from pdxfer.core.stamp import stamp_for
 from pdxfer.host.memory import SharedMemory
 from pdxfer.ops.inspection import daemon_counters
@@ -165,11 +165,12 @@ def test_a_decode_daemon_refuses_inline_kv_it_did_not_offer_or_that_does_not_fit
                 fake.welcome(identity)
                 link["identity"] = identity
             _, request = fake.recv_kind(RoomRequest)
+            (leg,) = request.legs  # one rank each side: one leg, the one that carries aux
             if accepted:
-                fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True))
+                fake.send(link["identity"], RoomAccepted(room=room_id, input_ready=True, legs=(leg.leg,)))
             aux = b"aux of %d" % room_id
-            stamp = stamp_for(room_id, request.generation, aux)
-            fake.send(link["identity"], AuxRecord(room=room_id, slot=request.slot, generation=request.generation, length=stamp.length,
+            stamp = stamp_for(room_id, leg.generation, aux)
+            fake.send(link["identity"], AuxRecord(room=room_id, slot=leg.slot, generation=leg.generation, length=stamp.length,
                                                    checksum=stamp.checksum, payload=aux, kv_pages=kv_pages, kv=kv))
             return cd.wait(room_id, timeout=SLACK)
 
@@ -212,8 +213,8 @@ def test_a_small_room_whose_input_came_first_gets_its_record_and_no_other_messag
         page_tokens = client.kv.layout.page_size
 
         def request(room_id: int, pages: list[int]) -> RoomRequest:
-            return RoomRequest(room=room_id, pages=pages_to_bytes(pages), slot=room_id, generation=1, memory_version=1,
-                               lease_ms=30_000, writes_until=time.monotonic() + 30.0)
+            leg = LegRequest(pages=pages_to_bytes(pages), slot=room_id, generation=1, memory_version=1)
+            return RoomRequest(room=room_id, legs=(leg,), lease_ms=30_000, writes_until=time.monotonic() + 30.0)
 
         client.send(7, [1, 2], num_tokens=2 * page_tokens, slot=client.alloc_slot())
         time.sleep(0.2)  # the engine's send() is in before the request

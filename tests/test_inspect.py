@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 from pdxfer.client import Client
-from pdxfer.core.protocol import RoomState
+from pdxfer.core.protocol import Role, RoomInfo, RoomState, SlotInfo
 from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.host import memory
 from pdxfer.ops import inspection as inspect_mod
@@ -273,6 +273,31 @@ def test_rooms_table_shows_the_documented_columns(scene):
     assert lines[-1].startswith("9 rooms: 2 bootstrapping, 1 waiting_for_input, 1 transferring, 1 success, 4 failed")
     prefill = s.cli(s.prefill, "rooms").stdout
     assert re.search(r"^\s+2\s+prefill\s+success\s+\S+s\s+\S+s\s+127\.0\.0\.1:\d+\s+\d+/\d+\s+6\.0 KiB\s+6\.0 KiB\s+-$", prefill, re.M), prefill
+
+
+def test_tables_name_the_lane_of_each_room_and_slot_where_a_daemon_serves_several_ranks():
+    """A daemon beside one rank shows the tables as ever. One serving two ranks of an
+    engine holds room 7 and slot 0 once per rank: a LANE column after the first tells
+    the two apart, and `pdxfer room` names the lane of each part."""
+    def room(lane: int) -> RoomInfo:
+        return RoomInfo(room=7, role=Role.PREFILL, lane=lane, state=RoomState.SUCCESS, age=2.0, in_state=1.0, peer="127.0.0.1:15000",
+                        slot=0, generation=1, bytes_planned=4096, bytes_moved=4096, fenced=True, history=((RoomState.SUCCESS, 1.0),))
+
+    def slot(lane: int) -> SlotInfo:
+        return SlotInfo(index=0, state="armed", lane=lane, room=7, generation=1, since=1.0)
+
+    def header(table: str) -> list[str]:
+        return re.split(r"\s{2,}", table.splitlines()[0].strip())
+
+    assert header(inspect_mod.rooms_table([room(0)])) == list(inspect_mod.ROOM_COLUMNS)
+    assert header(inspect_mod.slots_table([slot(0)])) == list(inspect_mod.SLOT_COLUMNS)
+    rooms, slots = inspect_mod.rooms_table([room(0), room(1)]), inspect_mod.slots_table([slot(0), slot(1)])
+    assert header(rooms) == ["ROOM", "LANE", *inspect_mod.ROOM_COLUMNS[1:]]
+    assert [line.split()[:3] for line in rooms.splitlines()[1:]] == [["7", "0", "prefill"], ["7", "1", "prefill"]]
+    assert header(slots) == ["SLOT", "LANE", *inspect_mod.SLOT_COLUMNS[1:]]
+    assert [line.split()[:4] for line in slots.splitlines()[1:]] == [["0", "0", "armed", "7"], ["0", "1", "armed", "7"]]
+    assert inspect_mod.room_detail(room(1), wall=1e9, lane=True).startswith("room 7 (prefill, lane 1): success for 1.0s")
+    assert inspect_mod.room_detail(room(0), wall=1e9).startswith("room 7 (prefill): success")
 
 
 # --- one room

@@ -247,7 +247,9 @@ def test_a_room_sent_with_release_when_settled_is_released_by_its_daemon(engines
     decode.release(40)
 
 
-def test_compat_mismatch_is_refused_naming_the_difference(engines):
+def test_a_decode_of_another_page_size_is_refused_naming_both(engines):
+    """Pages move whole (A9): a prefill refuses at the handshake a decode daemon whose
+    ranks use a page size none of its own does, and the decode's rooms there fail."""
     prefill = engines(engines.prefill_daemon, small_layout(page_size=4))
     decode = engines(engines.decode_daemon, small_layout(page_size=8))
     slot = decode.alloc_slot()
@@ -256,6 +258,21 @@ def test_compat_mismatch_is_refused_naming_the_difference(engines):
     assert status.state is RoomState.FAILED and status.code == "compat_mismatch"
     assert "page_size: prefill=4 decode=8" in status.reason
     assert prefill.kv is not None  # the prefill side is unaffected and still serves
+
+
+def test_compat_mismatch_fails_the_room_naming_the_difference(engines):
+    """Other fields are compared once both halves of a room are in (a decode daemon
+    serves many ranks: another layout fails rooms, not its hello). Both sides fail it."""
+    prefill = engines(engines.prefill_daemon, small_layout(dtype="bfloat16"))
+    decode = engines(engines.decode_daemon, small_layout(dtype="float16"))
+    slot = decode.alloc_slot()
+    decode.expect(6, engines.prefill_daemon.bootstrap, np.array([1]), slot)
+    prefill.send(6, np.array([2]), 4, prefill.alloc_slot())
+    for side in (decode, prefill):
+        status = side.wait(6)
+        assert status.state is RoomState.FAILED and status.code == "compat_mismatch", status
+        assert "incompatible KV layout: dtype: prefill='bfloat16' decode='float16'" in status.reason
+    assert prefill.stats().peers == 1  # the decode daemon is still its peer
 
 
 def test_out_of_range_page_fails_only_its_room(engines):

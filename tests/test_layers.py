@@ -71,7 +71,7 @@ LAYERS: dict[str, Rule] = {
     # wire); the doctor asks transport.mooncake which engine is installed.
     "ops": rule("core.* wire.* host.* transport.mooncake ops.*", "msgspec zmq"),
     # The engine's library: never the daemon, a role or a transport.
-    "client": rule("core.* wire.sockets wire.batch host.memory", "msgspec numpy zmq torch"),
+    "client": rule("core.* wire.sockets wire.batch host.memory host.processes", "msgspec numpy zmq torch"),
     # Engine adapters run in the engine's process beside the client: the engine's
     # library and the pure core, never the daemon, a role or a transport; the engine
     # itself (the user's installation); and host.memory, whose naming of shared memory

@@ -46,7 +46,8 @@ BIG = 2**64 - 1  # largest room id / address msgpack carries
 SAMPLES: dict[type, list[p.Message]] = {
     p.EngineHello: [
         p.EngineHello(req=1, version=p.PROTOCOL_VERSION, engine_id="sglang-prefill", role=p.Role.PREFILL,
-                      rank=p.Rank(dp=1, pp=2, tp=3, cp=0), sizes=p.Rank(dp=2, pp=4, tp=8, cp=1), device="cuda:3"),
+                      rank=p.Rank(dp=1, pp=2, tp=3, cp=0), sizes=p.Rank(dp=2, pp=4, tp=8, cp=1), device="cuda:3",
+                      pid=4242, pid_namespace=4026531836),
         p.EngineHello(req=1, version=p.PROTOCOL_VERSION),
     ],
     p.RegisterKV: [
@@ -66,7 +67,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     p.Expect: [
         p.Expect(
             req=7, room=11, bootstrap="tcp://10.0.0.1:18998", pages=PAGES, slot=2, generation=3, memory_version=1, num_draft_tokens=4,
-            skip_pages=5,
+            skip_pages=5, prefill_sizes=p.Rank(dp=1, pp=2, tp=4, cp=1),
         )
     ],
     p.Poll: [p.Poll(req=8, room=12)],
@@ -80,7 +81,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     p.AdminInfo: [p.AdminInfo(req=6)],
     p.RoomsReply: [
         p.RoomsReply(req=1, rooms=[p.RoomInfo(
-            room=BIG, role=p.Role.DECODE, state=p.RoomState.FAILED, age=3.5, in_state=1.0, peer="tcp://10.0.0.1:18998",
+            room=BIG, role=p.Role.DECODE, lane=3, state=p.RoomState.FAILED, age=3.5, in_state=1.0, peer="tcp://10.0.0.1:18998",
             slot=2, generation=7, bytes_planned=4096, bytes_moved=0, fenced=True, code=p.ErrorCode.PEER_DEAD,
             reason="prefill restarted", history=((p.RoomState.BOOTSTRAPPING, 0.0), (p.RoomState.FAILED, 2.5)),
         )])
@@ -89,7 +90,7 @@ SAMPLES: dict[type, list[p.Message]] = {
         address="tcp://10.0.0.1:18998", name="p0", incarnation="abc", state="alive", last_heard=0.3, rtt_ms=0.2,
         clock_skew_ms=-1.5, rooms=3,
     )])],
-    p.SlotsReply: [p.SlotsReply(req=5, slots=[p.SlotInfo(index=0, state="quarantined", room=9, generation=4, since=0.5, fence_in=9.5)])],
+    p.SlotsReply: [p.SlotsReply(req=5, slots=[p.SlotInfo(index=0, state="quarantined", lane=2, room=9, generation=4, since=0.5, fence_in=9.5)])],
     p.InfoReply: [p.InfoReply(
         req=6, role=p.Role.PREFILL, name="prefill", incarnation="abc", version=1, uptime=12.0, wall=1.7e9, ready=False,
         not_ready=["no engine connected"], draining=False, bootstrap="10.0.0.1:18998", session="10.0.0.1:15000",
@@ -113,13 +114,16 @@ SAMPLES: dict[type, list[p.Message]] = {
             version=1,
             incarnation="inc-1",
             session="10.0.0.2:12345",
-            compat=COMPAT,
-            compat_hash=p.compat_hash(COMPAT),
-            region_bases=(0x7F00_0000_0000, BIG),
-            num_pages=1000,
-            aux_base=0x7E00_0000_0000,
-            aux_slots=64,
-            memory_version=2,
+            lanes=(
+                p.LaneInfo(
+                    index=0, rank=p.Rank(), compat=COMPAT, heads_local=8, layers=(0, 2), region_bases=(0x7F00_0000_0000, BIG),
+                    num_pages=1000, aux_base=0x7E00_0000_0000, aux_slots=64, memory_version=2,
+                ),
+                p.LaneInfo(
+                    index=1, rank=p.Rank(dp=0, pp=1, tp=3, cp=0), compat=COMPAT, heads_local=2, layers=(1, 2),
+                    region_bases=(0x7C00_0000_0000,), num_pages=7, aux_base=0x7B00_0000_0000, aux_slots=3, memory_version=5,
+                ),
+            ),
             name="10.0.0.2/decode-7",
             probe_base=0x7D00_0000_0040,
             verify_kv=True,
@@ -128,18 +132,32 @@ SAMPLES: dict[type, list[p.Message]] = {
     ],
     p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1", clock=5123.25)],
     p.PeerRefused: [p.PeerRefused(code=p.ErrorCode.COMPAT_MISMATCH, reason="page_size: prefill=16 decode=32")],
-    p.RoomRequest: [p.RoomRequest(room=17, pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2, skip_pages=4, lease_ms=30000, writes_until=5163.5)],
+    p.RoomRequest: [
+        p.RoomRequest(
+            room=17, legs=(p.LegRequest(pages=PAGES, slot=3, generation=8, memory_version=2, num_draft_tokens=2, skip_pages=4),),
+            lease_ms=30000, writes_until=5163.5,
+        ),
+        p.RoomRequest(room=BIG, legs=(
+            p.LegRequest(leg=(1 << 48) | (2 << 32) | (3 << 16) | 4, lane=5, pages=PAGES, slot=6, generation=7, memory_version=8,
+                         src_head_start=1, head_count=2, dst_head_start=3, layers=(4, 9)),
+            p.LegRequest(leg=1, lane=1, memory_version=1, real=False),
+        )),
+    ],
     p.RoomAccepted: [p.RoomAccepted(room=18, input_ready=True)],
-    p.TransferStarted: [p.TransferStarted(room=19)],
+    p.TransferStarted: [p.TransferStarted(room=19), p.TransferStarted(room=19, leg=2**64 - 1)],
     p.AuxRecord: [
         p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=2**32 - 1, payload=b"abc"),
-        p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=0, via_transfer_engine=True, kv_pages=5, kv_digest=7),
+        p.AuxRecord(room=20, slot=1, generation=2, length=3, checksum=0, leg=9, via_transfer_engine=True, kv_pages=5, kv_digest=7),
+    ],
+    p.LegWritten: [
+        p.LegWritten(room=20, leg=3),
+        p.LegWritten(room=20, leg=1 << 16, kv_pages=5, kv_digested=True, kv_digest=2**32 - 1),
     ],
     p.Heartbeat: [p.Heartbeat(seq=9, wall=1.7e9, writes_until=5163.5)],
     p.HeartbeatAck: [p.HeartbeatAck(seq=9, wall=1.7e9 + 0.25, clock=5123.5)],
-    p.RoomAck: [p.RoomAck(room=21)],
-    p.RoomFailed: [p.RoomFailed(room=22, code=p.ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False)],
-    p.PeerError: [p.PeerError(code=p.ErrorCode.UNKNOWN_ROOM, message="no room 23", room=23)],
+    p.RoomAck: [p.RoomAck(room=21), p.RoomAck(room=21, leg=5)],
+    p.RoomFailed: [p.RoomFailed(room=22, code=p.ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False, leg=6)],
+    p.PeerError: [p.PeerError(code=p.ErrorCode.UNKNOWN_ROOM, message="no room 23", room=23, leg=7)],
 }
 
 UNIONS = {
@@ -228,6 +246,10 @@ def raw(**fields) -> bytes:
         ("peer_messages", raw(kind="room_ack", room=0), "room"),
         ("peer_messages", raw(kind="room_failed", room=1, code="not_a_code", reason="x"), "code"),
         ("peer_messages", raw(kind="aux_record", room=1, slot=0, generation=1, length=0, checksum=2**32), "checksum"),
+        ("peer_messages", raw(kind="room_request", room=1, legs=[]), "legs"),  # a room has at least one leg
+        ("peer_messages", raw(kind="room_request", room=1, legs=[{"memory_version": 1, "leg": -1}]), "leg"),
+        ("peer_messages", raw(kind="room_request", room=1, legs=[{"leg": 0}]), "memory_version"),
+        ("peer_messages", raw(kind="leg_written", room=1), "leg"),
     ],
 )
 def test_decoders_reject_bad_input(codec, decoder, data, where):
@@ -259,11 +281,8 @@ def test_protocol_version_appears_in_the_schema():
         assert cls.__name__ in schema["$defs"]
 
 
-def test_compat_hash_is_stable():
-    same = msgspec.structs.replace(COMPAT)
-    assert p.compat_hash(same) == p.compat_hash(COMPAT)
-    assert len(p.compat_hash(COMPAT)) == 16
-    assert p.compat_diff(COMPAT, same) == []
+def test_compat_diff_of_equal_layouts_is_empty():
+    assert p.compat_diff(COMPAT, msgspec.structs.replace(COMPAT)) == []
 
 
 # Each compat field changed, and how a refusal names the change.
@@ -287,10 +306,9 @@ def test_changed_covers_every_compat_field():
 
 
 @pytest.mark.parametrize("name", sorted(CHANGED))
-def test_compat_hash_and_diff_notice_each_field(name):
+def test_compat_diff_notices_each_field(name):
     value, named = CHANGED[name]
     theirs = msgspec.structs.replace(COMPAT, **{name: value})
-    assert p.compat_hash(theirs) != p.compat_hash(COMPAT)
     assert p.compat_diff(COMPAT, theirs) == [named]
 
 
@@ -330,4 +348,11 @@ def test_a_hello_without_sessions_still_decodes(codec):
 def test_a_hello_with_too_many_sessions_is_refused(codec):
     hello = msgspec.structs.replace(SAMPLES[p.PeerHello][0], sessions=tuple(f"10.0.0.2:{port}" for port in range(17)))
     with pytest.raises(msgspec.ValidationError, match="sessions"):
+        codec.peer_messages.decode(codec.encode(hello))
+
+
+def test_a_hello_with_too_many_lanes_is_refused(codec):
+    lane = SAMPLES[p.PeerHello][0].lanes[0]
+    hello = msgspec.structs.replace(SAMPLES[p.PeerHello][0], lanes=(lane,) * 1025)
+    with pytest.raises(msgspec.ValidationError, match="lanes"):
         codec.peer_messages.decode(codec.encode(hello))

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from pdxfer.adapters.sglang.layout import registration
-from pdxfer.adapters.sglang.link import Link, Rows, daemon_endpoint
+from pdxfer.adapters.sglang.link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
 from pdxfer.adapters.shm import Place, locate, rehome
 from pdxfer.core.errors import Unsupported
 from pdxfer.core.protocol import Heads, KVPacking, KVRegion, PageOrder, Rank, RegionKind, Role, RoomState, ShmHandle
+from pdxfer.core.topology import local_heads
 from pdxfer.ops.inspection import daemon_counters
 
 from .conftest import needs_mooncake
@@ -56,6 +57,28 @@ def test_sglang_kv_is_one_buffer_per_layer_with_a_k_and_a_v_region():
     assert (spec.page_size, spec.dtype, spec.layers, spec.num_layers_total, spec.mla) == (16, "float32", (0, 2), 2, False)
     assert spec.heads == Heads(local=2, total=2, bytes_per_token_head=HEAD_DIM * 4)
     assert (spec.page_order, spec.kv_packing) == (PageOrder.TOKEN_MAJOR, KVPacking.SEPARATE)
+
+
+def test_a_tp_rank_registers_its_share_of_the_heads():
+    """Rank 1 of a TP2 server: one of the two KV heads, so its pages are half as long."""
+    ptrs, lens, _ = sglang_kvargs()
+    reg = registration(ptrs, [n // 2 for n in lens], [PAGE_BYTES // 2] * 4, page_size=PAGE_SIZE, dtype="float32", first_layer=0,
+                       num_layers_total=2, heads_local=local_heads(HEADS, 2), heads_total=HEADS, mla=False, locate=fused_files())
+    assert reg.spec.heads == Heads(local=1, total=2, bytes_per_token_head=HEAD_DIM * 4)
+    assert {(r.page_bytes, r.num_pages) for r in reg.regions} == {(PAGE_BYTES // 2, PAGES)}
+
+
+def test_servers_of_several_tp_ranks_are_carried_and_other_parallelism_is_named():
+    assert unsupported_ranks(Rank(dp=1, pp=1, tp=8, cp=1)) == []
+    refused = unsupported_ranks(Rank(dp=2, pp=4, tp=2, cp=2))
+    assert [r.split(" (")[0] for r in refused] == ["attention context parallelism", "attention data parallelism", "pipeline parallelism"]
+
+
+def test_a_decode_rank_reads_every_prefill_rank_from_one_daemon():
+    """SGLang's /route rows of the prefill ranks a decode rank reads (TP2 -> TP1: two)."""
+    assert prefill_daemon([("10.0.0.5", 18998), ("10.0.0.5", 18998)]) == "10.0.0.5:18998"
+    with pytest.raises(Unsupported, match="register 2 pdxfer daemons .*10.0.0.5:18998, 10.0.0.6:18998"):
+        prefill_daemon([("10.0.0.6", 18998), ("10.0.0.5", 18998)])
 
 
 def test_mla_has_a_latent_region_per_layer_from_the_stage_s_first_layer():
@@ -110,22 +133,25 @@ def test_an_aux_record_is_a_room_s_row_of_every_buffer_end_to_end():
 
 
 class Engine:
-    """One side's SGLang-shaped memory (per layer a fused K|V tensor, in shared memory)
-    and metadata rows, behind a Link."""
+    """One rank's SGLang-shaped memory (per layer a fused K|V tensor, in shared memory)
+    and metadata rows, behind a Link; rank ``tp`` of ``tp_size`` holds its share of the
+    model's heads, as the backend registers it."""
 
-    def __init__(self, daemon, role: Role, pages: int = 32):
+    def __init__(self, daemon, role: Role, pages: int = 32, tp: int = 0, tp_size: int = 1):
         import torch
 
-        fused = [torch.zeros((2, pages * PAGE_SIZE, HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+        heads = local_heads(HEADS, tp_size)
+        fused = [torch.zeros((2, pages * PAGE_SIZE, heads, HEAD_DIM)) for _ in range(LAYERS)]
         self.k = [f[0] for f in fused]
         self.v = [f[1] for f in fused]
         rehome([*self.k, *self.v])
         tensors = [*self.k, *self.v]
-        kv = registration([t.data_ptr() for t in tensors], [t.nbytes for t in tensors], [PAGE_BYTES] * 4, page_size=PAGE_SIZE,
-                          dtype="float32", first_layer=0, num_layers_total=LAYERS, heads_local=HEADS, heads_total=HEADS,
+        page_bytes = PAGE_SIZE * heads * HEAD_DIM * 4
+        kv = registration([t.data_ptr() for t in tensors], [t.nbytes for t in tensors], [page_bytes] * 4, page_size=PAGE_SIZE,
+                          dtype="float32", first_layer=0, num_layers_total=LAYERS, heads_local=heads, heads_total=HEADS,
                           mla=False, locate=locate)
         self.meta = metadata_buffers()
-        self.link = Link(daemon.engine, engine_id=f"test-{role.value}", role=role, rank=Rank(), sizes=Rank(dp=1, pp=1, tp=1, cp=1),
+        self.link = Link(daemon.engine, engine_id=f"test-{role.value}", role=role, rank=Rank(tp=tp), sizes=Rank(dp=1, pp=1, tp=tp_size, cp=1),
                          device="cpu", kv=kv, rows=as_rows(self.meta), aux_slots=16)
         self.link.open()
 
@@ -177,6 +203,80 @@ def test_a_room_through_the_links_as_the_backend_drives_it(daemons):
         prefill.link.release(room)
         decode.link.release(room)
         assert prefill.link.status(room) is None and decode.link.quiet(room)
+    finally:
+        prefill.link.close()
+        decode.link.close()
+
+
+@needs_mooncake
+def test_a_tp2_prefill_room_lands_in_a_tp1_decode_s_pages_head_by_head(daemons):
+    """Two prefill ranks (a head each) on one daemon, one decode rank holding both heads:
+    the decode link names the prefill's sizes and the daemons write each rank's head
+    into every token of the decode's pages; the metadata row comes once."""
+    import torch
+
+    prefill_daemon_, decode_daemon = daemons("prefill"), daemons("decode")
+    ranks = [Engine(prefill_daemon_, Role.PREFILL, tp=tp, tp_size=2) for tp in range(2)]
+    decode = Engine(decode_daemon, Role.DECODE)
+    try:
+        room, src, dst = 5151, [3, 4, 5], [20, 21, 22]
+        torch.manual_seed(1)
+        for rank in ranks:
+            for p in src:
+                for t in rank.page(p):
+                    t.copy_(torch.randn_like(t))
+            rank.meta[0][1, 0], rank.meta[2][1, 0] = 1734, room
+            rank.link.announce(room)
+        host, port = ranks[0].link.bootstrap
+        assert ranks[1].link.bootstrap == (host, port)
+        decode.link.expect(room, prefill_daemon([(host, port)] * 2), dst, skip_pages=0, prefill_sizes=Rank(tp=2, pp=1))
+        for rank in ranks:
+            wait_for(rank.link, room, RoomState.WAITING_FOR_INPUT)
+            rank.link.send(room, np.array(src, np.int32), 0, last=True, num_tokens=3 * PAGE_SIZE, row=1)
+        wait_for(decode.link, room, RoomState.SUCCESS)
+        decode.link.rows.scatter(6, decode.link.record(room))
+
+        for s, d in zip(src, dst):
+            for head, rank in enumerate(ranks):
+                for a, b in zip(rank.page(s), decode.page(d)):
+                    assert torch.equal(a[:, 0], b[:, head])
+        assert decode.meta[0][6, 0] == 1734 and decode.meta[2][6, 0] == room
+        assert daemon_counters(decode_daemon.ready["admin"])["bytes_received"] == 3 * 4 * PAGE_BYTES + 32 + as_rows(decode.meta).record_bytes
+        for rank in ranks:
+            assert wait_for(rank.link, room, RoomState.SUCCESS).state is RoomState.SUCCESS
+    finally:
+        for engine in (*ranks, decode):
+            engine.link.close()
+
+
+@needs_mooncake
+def test_a_failed_room_released_before_its_fence_stays_unsafe_until_the_fence(daemons):
+    """SGLang clears a failed decode receiver (failure_exception) before its deferred
+    release asks is_abort_release_safe (Link.quiet): the release waits for the fence,
+    and until then the room's pages are not safe. Here the prefill daemon stands still
+    (SIGSTOP) as the decode aborts, so it confirms nothing is in flight only once resumed."""
+    import signal
+
+    prefill_daemon, decode_daemon = daemons("prefill"), daemons("decode")
+    prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
+    room = 4343
+    try:
+        prefill.link.announce(room)
+        host, port = prefill.link.bootstrap
+        decode.link.expect(room, f"{host}:{port}", [20, 21], skip_pages=0)
+        wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        prefill_daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            decode.link.abort(room, "aborted by SGLang")
+            status = wait_for(decode.link, room, RoomState.FAILED)
+            assert not status.fenced
+            decode.link.release(room)  # what SGLang's failure_exception -> clear() does
+            assert not decode.link.quiet(room) and not decode.link.status(room).fenced
+        finally:
+            prefill_daemon.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: decode.link.quiet(room))
+        decode.link.tidy()  # as the next poll does: the fenced room goes back to the daemon
+        assert decode.link.status(room) is None and decode.link.quiet(room)
     finally:
         prefill.link.close()
         decode.link.close()

@@ -24,6 +24,7 @@ from pdxfer.core.protocol import (
     ErrorCode,
     Heartbeat,
     HeartbeatAck,
+    LegRequest,
     PeerHello,
     PeerWelcome,
     RoomFailed,
@@ -119,8 +120,8 @@ class FakeDecode:
         return seen
 
     def request(self, writes_until: float) -> RoomRequest:
-        return RoomRequest(room=ROOM, pages=pages_to_bytes(DST), slot=0, generation=1, memory_version=1, lease_ms=30_000,
-                           writes_until=writes_until)
+        leg = LegRequest(pages=pages_to_bytes(DST), slot=0, generation=1, memory_version=1)
+        return RoomRequest(room=ROOM, legs=(leg,), lease_ms=30_000, writes_until=writes_until)
 
     def close(self) -> None:
         self.sock.close()

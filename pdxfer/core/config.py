@@ -23,6 +23,9 @@ from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
 
 ENV_PREFIX = "PDXFER_"
+# Read by engines beside a daemon (their daemon's engine endpoint, pdxfer.adapters), never
+# by the daemon: one environment may serve both, so load() passes over it.
+ENDPOINT_ENV = ENV_PREFIX + "ENDPOINT"
 INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states it too)
 TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
 TCP_ENGINES = 2  # default of tcp_engines (pdxfer bench reports what its baseline runs)
@@ -117,6 +120,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     heartbeat_misses: Annotated[
         int, _doc("heartbeats a peer may miss before it is declared dead and exactly its rooms fail", ge=1)
     ] = 5
+    expect_batch_ms: Annotated[
+        float, _doc("decode: how long a room's request to a prefill daemon waits for the other local ranks of its engine to expect the room too, so one request carries every rank's legs (A5); it leaves at once when they all have", ge=0)
+    ] = 1.0
     max_rooms_per_peer: Annotated[int, _doc("prefill: rooms one decode daemon may hold here at once; more are refused as busy", ge=1)] = 2048
     cluster_secret_file: Annotated[
         str, _doc("file holding the cluster secret; peers must sign every bootstrap message with it (HMAC-SHA256). Empty: no authentication")
@@ -202,7 +208,7 @@ def load(
         for name, (value, where) in read_toml(path, names).items():
             values[name], origins[name] = value, where
     for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in (ENV_PREFIX + "CONFIG", ENDPOINT_ENV):
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in names:

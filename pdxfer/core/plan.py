@@ -7,6 +7,7 @@ array of ``num_pages`` pages of ``page_bytes`` holding one (layer, kind). Both s
 order their regions by (layer, kind) (``canonical``), so with equal compat region i
 of the prefill pairs with region i of the decode whatever order each engine listed
 them in. A run of pages that is contiguous on both sides becomes one block per region.
+Between ranks of different TP a leg moves a slice of each page's heads (``plan_leg_blocks``).
 A pool pdxfer creates (``KVLayout``) is one buffer whose regions ``layout_registration`` names.
 
 Page *positions* count a room's pages from 0; the decode may hold a prefix and skip
@@ -20,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import BadMessage, InsufficientCapacity, PageOutOfRange, StaleMemoryVersion
-from .protocol import PROTOCOL_VERSION, Compat, Heads, KVLayout, KVRegion, KVSpec, Layout, RegionKind
+from .errors import BadMessage, InsufficientCapacity, PageOutOfRange, StaleMemoryVersion, Unsupported
+from .protocol import PROTOCOL_VERSION, Compat, Heads, KVLayout, KVRegion, KVSpec, Layout, PageOrder, RegionKind
 
 PAGE_DTYPE = np.dtype("<i4")
 SMALL = 16  # page lists up to this long take plain-Python paths: numpy's per-call cost dominates there
@@ -340,3 +341,112 @@ def region_bases(base: int, regions: Sequence[Region]) -> tuple[int, ...]:
 def region_views(pool: np.ndarray, regions: Sequence[Region], num_pages: int) -> list[np.ndarray]:
     """A pool's bytes as one [num_pages, page_bytes] array per region, in layout order."""
     return [pool[r.offset : r.offset + num_pages * r.page_bytes].reshape(num_pages, r.page_bytes) for r in regions]
+
+
+# --- one leg of a room between ranks whose TP sizes may differ (ENGINES.md §7.A6)
+
+
+def _region_name(r: KVRegion) -> str:
+    return f"layer {r.layer} {r.kind.value}"
+
+
+def leg_region_pairs(
+    src_regions: Sequence[KVRegion], dst_regions: Sequence[KVRegion], layers: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """(source index, destination index) of every region of layers [start, end) held
+    on both sides, in canonical order. Regions outside the layers are left alone (a
+    PP-1 decode holds every stage's layers); a (layer, kind) only one side holds in
+    them is Unsupported, since its bytes would either be lost or never written."""
+    start, end = layers
+    src = {(r.layer, r.kind): i for i, r in enumerate(src_regions) if start <= r.layer < end}
+    dst = {(r.layer, r.kind): i for i, r in enumerate(dst_regions) if start <= r.layer < end}
+    keys = sorted(src.keys() | dst.keys(), key=lambda key: (key[0], _KIND_ORDER[key[1]]))
+    lacking = [
+        f"{side} lacks layer {layer} {kind.value}"
+        for layer, kind in keys
+        for side, held in (("prefill", src), ("decode", dst))
+        if (layer, kind) not in held
+    ]
+    if lacking:
+        raise Unsupported(f"layers [{start}, {end}) of the leg: " + ", ".join(lacking))
+    return [(src[key], dst[key]) for key in keys]
+
+
+def _head_unit(r: KVRegion, page_size: int, heads: int, side: str) -> int:
+    """Bytes of one head for one token in a page of ``r`` (K and V together in a packed region)."""
+    unit, rest = divmod(r.page_bytes, page_size * heads)
+    if rest or not unit:
+        raise Unsupported(
+            f"{_region_name(r)} on the {side}: a page of {r.page_bytes} bytes is not {page_size} tokens x {heads} heads "
+            "of a whole number of bytes"
+        )
+    return unit
+
+
+def plan_leg_blocks(
+    src_regions: Sequence[KVRegion],
+    src_bases: Sequence[int],
+    src_heads: int,
+    dst_regions: Sequence[KVRegion],
+    dst_bases: Sequence[int],
+    dst_heads: int,
+    page_size: int,
+    page_order: PageOrder,
+    src_head_start: int,
+    head_count: int,
+    dst_head_start: int,
+    layers: tuple[int, int],
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+) -> Blocks:
+    """Blocks of one leg (topology.Leg): heads [src_head_start, +head_count) of the
+    source's pages src_pages[i] into heads [dst_head_start, +head_count) of the
+    destination's pages dst_pages[i], in every region pair of ``layers``.
+
+    ``src_regions``/``dst_regions`` are canonical() registrations with their region
+    addresses ``*_bases``; ``*_heads`` the KV heads each rank holds. A head_major page
+    ([head][token][unit]) gives one block per (region, page); a token_major one
+    ([token][head][unit]) one per (region, page, token). A leg that moves whole pages
+    (every head of both ranks) is plan_blocks': runs of pages coalesced. A dummy leg
+    (head_count 0) has no blocks."""
+    if dst_pages.size < src_pages.size:
+        raise InsufficientCapacity(f"{src_pages.size} source pages but only {dst_pages.size} destination pages")
+    for side, start, heads in (("prefill", src_head_start, src_heads), ("decode", dst_head_start, dst_heads)):
+        if start < 0 or head_count < 0 or start + head_count > heads:
+            raise BadMessage(f"heads [{start}, {start + head_count}) are outside the {side} rank's {heads} heads")
+    pairs = leg_region_pairs(src_regions, dst_regions, layers)
+    if head_count == 0 or not pairs:
+        return Blocks.of([], [], [])
+    src = [src_regions[i] for i, _ in pairs]
+    dst = [dst_regions[j] for _, j in pairs]
+    src_base = [src_bases[i] for i, _ in pairs]
+    dst_base = [dst_bases[j] for _, j in pairs]
+    if head_count == src_heads == dst_heads:
+        for s, d in zip(src, dst):
+            if s.page_bytes != d.page_bytes:
+                raise Unsupported(f"{_region_name(s)}: pages of {s.page_bytes} bytes on the prefill but {d.page_bytes} on the decode")
+        return plan_blocks(src, src_base, dst_base, src_pages, dst_pages)
+    unit = []
+    for s, d in zip(src, dst):
+        su, du = _head_unit(s, page_size, src_heads, "prefill"), _head_unit(d, page_size, dst_heads, "decode")
+        if su != du:
+            raise Unsupported(f"{_region_name(s)}: one token of one head is {su} bytes on the prefill but {du} on the decode")
+        unit.append(su)
+
+    # Axes: region pair, page, token. A head_major slice is one span per page (a token
+    # axis of one); a token_major one is a span per token, rows of heads x unit bytes.
+    u = np.array(unit, np.uint64)[:, None, None]
+    head_major = page_order is PageOrder.HEAD_MAJOR
+    head_stride = u * np.uint64(page_size) if head_major else u
+    t = np.arange(1 if head_major else page_size, dtype=np.uint64)[None, None, :]
+
+    def starts(regions, bases, pages, heads, head_start):
+        page_bytes = np.array([r.page_bytes for r in regions], np.uint64)[:, None, None]
+        base = np.asarray(bases, np.uint64)[:, None, None]
+        return (base + pages.astype(np.uint64)[None, :, None] * page_bytes + t * u * np.uint64(heads)
+                + np.uint64(head_start) * head_stride).ravel()
+
+    src_at = starts(src, src_base, src_pages, src_heads, src_head_start)
+    dst_at = starts(dst, dst_base, dst_pages[: src_pages.size], dst_heads, dst_head_start)
+    length = np.broadcast_to(np.uint64(head_count) * head_stride, (len(pairs), src_pages.size, t.size)).ravel()
+    return Blocks.of(src_at, dst_at, length)

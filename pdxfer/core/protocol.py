@@ -20,7 +20,6 @@ within a version.
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 import sys
 from typing import Annotated, Any, Union
@@ -125,6 +124,7 @@ class ErrorCode(str, enum.Enum):
     LEASE_EXPIRED = "lease_expired"
     UNSUPPORTED = "unsupported"
     BUSY = "busy"
+    ENGINE_GONE = "engine_gone"
     INTERNAL = "internal"
 
 
@@ -240,10 +240,6 @@ class Compat(msgspec.Struct, frozen=True, kw_only=True):
     aux_slot_bytes: int
 
 
-def compat_hash(compat: Compat) -> str:
-    return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()[:16]
-
-
 def compat_diff(prefill: Compat, decode: Compat) -> list[str]:
     """Each field that differs, as 'name: prefill=X decode=Y': the refusal is read in
     both sides' logs, where 'ours' would mean the opposite. Regions are named one by
@@ -276,8 +272,9 @@ def _regions_only(these, those, most: int = 8) -> str:
 
 
 class EngineHello(Message, tag="engine_hello"):
-    """First message of an engine connection: who speaks (A1). A daemon serves one rank
-    (step 1 of issue 27): it refuses a role other than its own, CP > 1, and a second rank."""
+    """First message of an engine connection: who speaks (A1). A daemon serves every rank
+    of every engine of its role on its node, each with its own pools, slots and rooms (a
+    lane); it refuses a role other than its own and CP > 1."""
 
     req: ReqId
     version: int
@@ -286,6 +283,8 @@ class EngineHello(Message, tag="engine_hello"):
     rank: Rank = Rank()
     sizes: Rank = ONE_RANK
     device: Text = ""  # "cpu", "cuda:0", ...
+    pid: Count = 0  # the engine's process, in its pid namespace: a daemon in the same one fails its rooms when it exits
+    pid_namespace: Count = 0  # the inode of the engine's /proc/self/ns/pid
 
 
 class RegisterKV(Message, tag="register_kv"):
@@ -355,12 +354,17 @@ class Send(Message, tag="send"):
     generation: Count = 0
     aux_bytes: Count = 0  # payload bytes of the aux record in the slot
     release_when_settled: bool = False
+    # A CUDA IPC event handle (cudaIpcEventHandle_t, 64 bytes) the engine recorded after the
+    # work that wrote this chunk's pages: the daemon writes them once it completed.
+    cuda_event: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Expect(Message, tag="expect"):
     """Decode: receive ``room`` from the prefill daemon at ``bootstrap`` into ``pages``
     (positions skip_pages.. of the room, with room for ``num_draft_tokens`` more) and
-    ``slot``. The first ``skip_pages`` positions (a prefix this side holds) are not sent."""
+    ``slot``. The first ``skip_pages`` positions (a prefix this side holds) are not sent.
+    ``prefill_sizes`` are the prefill engine's TP and PP sizes: with this rank's own,
+    they say which prefill ranks write which heads and layers here (core/topology.py)."""
 
     req: ReqId
     room: RoomId
@@ -371,6 +375,7 @@ class Expect(Message, tag="expect"):
     memory_version: Positive
     num_draft_tokens: Count = 0
     skip_pages: Count = 0
+    prefill_sizes: Rank = ONE_RANK
 
 
 class Poll(Message, tag="poll"):
@@ -472,20 +477,33 @@ EngineReply = Union[Welcome, Ok, SlotGrant, RoomStatus, Error, Busy, Stats]
 # --- daemon <-> daemon (bootstrap channel)
 
 
-class PeerHello(Message, tag="peer_hello"):
-    """Decode -> prefill, first on a connection and again whenever the decode
-    engine re-registers: where to write and what the pools look like."""
+LegCode = Annotated[int, msgspec.Meta(ge=0, description="a leg's ranks: prefill (pp, tp), decode (pp, tp), 16 bits each")]
 
-    version: int
-    incarnation: str
-    session: str  # transfer engine session id ("host:port"): its first engine's
+
+class LaneInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine rank's memory on a decode daemon (a lane): where a prefill writes its
+    legs. Indexed by ``index``, which room requests name."""
+
+    index: Count
+    rank: Rank
     compat: Compat
-    compat_hash: str
-    region_bases: tuple[Address, ...]  # one per region, in compat.regions order, in this daemon's address space
+    heads_local: Positive
+    layers: tuple[Count, Count]
+    region_bases: tuple[Address, ...]  # one per region, in compat.regions order, in the decode daemon's address space
     num_pages: Positive
     aux_base: Address
     aux_slots: Positive
     memory_version: Positive
+
+
+class PeerHello(Message, tag="peer_hello"):
+    """Decode -> prefill, first on a connection and again whenever a decode engine
+    rank registers: where to write (every lane's pools) and what they look like."""
+
+    version: int
+    incarnation: str
+    session: str  # transfer engine session id ("host:port"): its first engine's
+    lanes: Annotated[tuple[LaneInfo, ...], msgspec.Meta(max_length=1024)]
     name: str = ""  # stable name of the sender (host/instance): a new incarnation under it replaces the old
     probe_base: Address = 0  # 64 scratch bytes a prefill may write to test its transfer session
     verify_kv: bool = False  # ask the prefill to send a KV digest with every aux record
@@ -509,27 +527,54 @@ class PeerRefused(Message, tag="peer_refused"):
     reason: str
 
 
-class RoomRequest(Message, tag="room_request"):
-    """Decode -> prefill: please write ``room`` into these pages and this slot."""
+class LegRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One leg of a room request (ENGINES.md §7.A4): what one prefill rank writes into
+    one decode rank's pages. A dummy leg (``real`` false) moves nothing: it lets the
+    prefill rank's status complete. ``head_count`` 0 and ``layers`` (0, 0) mean whole
+    pages and every layer (equal TP and PP)."""
 
-    room: RoomId
-    pages: PageBytes
-    slot: Count
-    generation: Positive
+    leg: LegCode = 0
+    lane: Count = 0  # the decode lane (PeerHello.lanes index) whose pages and slot these are
+    pages: PageBytes = b""
+    slot: Count = 0
+    generation: Count = 0  # 0: the leg carries no aux record
     memory_version: Positive
     num_draft_tokens: Count = 0
     skip_pages: Count = 0  # positions the decode holds already: pages[i] receives position skip_pages + i
+    real: bool = True
+    src_head_start: Count = 0
+    head_count: Count = 0
+    dst_head_start: Count = 0
+    layers: tuple[Count, Count] = (0, 0)
+    fan_out: Positive = 1  # decode ranks this leg's prefill rank writes to (decode TP / prefill TP, at least 1)
+
+    @property
+    def carries_aux(self) -> bool:
+        return self.generation > 0
+
+
+class RoomRequest(Message, tag="room_request"):
+    """Decode -> prefill: please write ``room``'s legs into these pages and slots. A
+    decode daemon sends one per room per prefill daemon, listing the legs of all its
+    local ranks (A5)."""
+
+    room: RoomId
+    legs: Annotated[tuple[LegRequest, ...], msgspec.Meta(min_length=1, max_length=1024)]
     lease_ms: Count = 0  # the prefill submits no write for this room later than this after it starts writing
     writes_until: float = 0.0  # leave to write, on the prefill's monotonic clock (see Heartbeat); 0: none given
 
 
 class RoomAccepted(Message, tag="room_accepted"):
+    """Prefill -> decode, once per room request: the legs it took."""
+
     room: RoomId
     input_ready: bool
+    legs: Annotated[tuple[LegCode, ...], msgspec.Meta(max_length=1024)] = ()
 
 
 class TransferStarted(Message, tag="transfer_started"):
     room: RoomId
+    leg: LegCode = 0
 
 
 class AuxRecord(Message, tag="aux_record"):
@@ -543,6 +588,7 @@ class AuxRecord(Message, tag="aux_record"):
     generation: Positive
     length: Count
     checksum: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+    leg: LegCode = 0
     payload: AuxPayload = b""
     via_transfer_engine: bool = False
     kv_pages: Count = 0  # how many of the decode's pages (the first ones) were written in each region
@@ -555,6 +601,18 @@ class RoomAck(Message, tag="room_ack"):
     """Decode -> prefill: the aux stamp verified; the room succeeded."""
 
     room: RoomId
+    leg: LegCode = 0
+
+
+class LegWritten(Message, tag="leg_written"):
+    """Prefill -> decode, for a leg that carries no aux record, after every KV block of
+    it completed: what AuxRecord says of KV for the leg that carries it."""
+
+    room: RoomId
+    leg: LegCode
+    kv_pages: Count = 0
+    kv_digested: bool = False
+    kv_digest: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
 
 
 class RoomFailed(Message, tag="room_failed"):
@@ -565,6 +623,7 @@ class RoomFailed(Message, tag="room_failed"):
     code: ErrorCode
     reason: str
     fenced: bool = True
+    leg: LegCode = 0
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -594,6 +653,7 @@ class PeerError(Message, tag="peer_error"):
     code: ErrorCode
     message: str
     room: int = 0
+    leg: LegCode = 0
 
 
 PeerMessage = Union[
@@ -604,6 +664,7 @@ PeerMessage = Union[
     RoomAccepted,
     TransferStarted,
     AuxRecord,
+    LegWritten,
     RoomAck,
     RoomFailed,
     Heartbeat,
@@ -618,6 +679,7 @@ PeerMessage = Union[
 class RoomInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     room: int
     role: Role
+    lane: int = 0  # the engine rank's lane on this daemon
     state: RoomState
     age: float  # seconds since the room was created
     in_state: float  # seconds in its current state
@@ -647,6 +709,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
 class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     state: str
+    lane: int = 0  # whose aux buffer: the engine rank's lane on this daemon
     room: int
     generation: int
     since: float  # seconds in this state

@@ -26,6 +26,7 @@ from typing import Callable
 
 from .errors import Busy, DuplicateRoom, IllegalTransition, UnknownRoom
 from .protocol import TERMINAL_STATES, ErrorCode, Role, RoomState
+from .topology import room_of
 
 B = RoomState.BOOTSTRAPPING
 W = RoomState.WAITING_FOR_INPUT
@@ -114,6 +115,7 @@ class Room:
     code: ErrorCode | None = None
     reason: str = ""
     peer: str = ""
+    lane: int = 0  # the engine rank (roles.pools.Lane index) whose memory and slot the room uses
     slot: int = -1
     generation: int = 0
     bytes_planned: int = 0
@@ -156,9 +158,9 @@ class RoomTable:
 
     def create(self, room_id: int, role: Role, now: float, peer: str = "") -> Room:
         if room_id in self._rooms:
-            raise DuplicateRoom(f"room {room_id} already exists", room=room_id)
+            raise DuplicateRoom(f"room {room_of(room_id)} already exists", room=room_of(room_id))
         if len(self._rooms) >= self.capacity:
-            raise Busy(f"room table full ({self.capacity} rooms)", room=room_id)
+            raise Busy(f"room table full ({self.capacity} rooms)", room=room_of(room_id))
         room = Room(room_id, role, B, created=now, entered=now, deadline=now + self.timeouts.bootstrap, peer=peer)
         room.history.append((B, now))
         self._rooms[room_id] = room
@@ -175,7 +177,7 @@ class RoomTable:
         try:
             return self._rooms[room_id]
         except KeyError:
-            raise UnknownRoom(f"unknown room {room_id}", room=room_id) from None
+            raise UnknownRoom(f"unknown room {room_of(room_id)}", room=room_of(room_id)) from None
 
     def find(self, room_id: int) -> Room | None:
         return self._rooms.get(room_id)

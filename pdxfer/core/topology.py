@@ -281,6 +281,53 @@ def all_legs(
     ]
 
 
+# --- rooms of ranks: how a room's per-rank parts are named inside a daemon and on the wire
+
+RANK_LIMIT = 1 << 16  # a TP or PP rank fits 16 bits in a leg code
+_ROOM_BITS = 64
+
+
+def rank_code(pp: int, tp: int) -> int:
+    """A (PP, TP) rank as 32 bits; rank (0, 0) is 0."""
+    if not (0 <= pp < RANK_LIMIT and 0 <= tp < RANK_LIMIT):
+        raise Unsupported(f"rank pp={pp} tp={tp}: pdxfer names ranks below {RANK_LIMIT}")
+    return (pp << 16) | tp
+
+
+def leg_code(leg: Leg) -> int:
+    """A leg's ranks as one integer (LegRequest.leg): prefill (pp, tp), then decode (pp, tp)."""
+    return (rank_code(leg.prefill_pp, leg.prefill_tp) << 32) | rank_code(leg.decode_pp, leg.decode_tp)
+
+
+def prefill_rank_of(code: int) -> int:
+    return code >> 32
+
+
+def decode_rank_of(code: int) -> int:
+    return code & 0xFFFFFFFF
+
+
+def room_key(room: int, rank: int) -> int:
+    """The key of one rank's part of ``room`` in a daemon's room table: the room id
+    itself for rank (0, 0), so a one-rank engine's rooms are keyed by their ids."""
+    return room | (rank << _ROOM_BITS)
+
+
+def fan_key(room: int, leg: int) -> int:
+    """The key of a prefill rank's part of ``room`` that writes to another decode rank
+    than its first (fan-out: decode TP above prefill TP): one per further leg."""
+    return room_key(room, (1 << 64) | leg)
+
+
+def room_of(key: int) -> int:
+    """The room id a room-table key is part of (what the wire and the engine call it)."""
+    return key & ((1 << _ROOM_BITS) - 1)
+
+
+def rank_of(key: int) -> int:
+    return key >> _ROOM_BITS
+
+
 def prefill_sources(legs: Sequence[Leg], prefill_tp: int, prefill_pp: int = 0) -> list[Leg]:
     """The legs prefill rank (tp, pp) sources, out of a room's legs: what it must see
     acknowledged before its status reaches Success."""

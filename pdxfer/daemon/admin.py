@@ -30,27 +30,34 @@ from ..core.protocol import (
 )
 from ..core.rooms import Room
 from ..core.slots import SlotState
+from ..core.topology import room_key, room_of
 
 
 def room_info(room: Room, now: float, history: bool = False) -> RoomInfo:
     return RoomInfo(
-        room=room.id, role=room.role, state=room.state, age=now - room.created, in_state=now - room.entered,
+        room=room_of(room.id), lane=room.lane, role=room.role, state=room.state, age=now - room.created, in_state=now - room.entered,
         peer=room.peer, slot=room.slot, generation=room.generation, bytes_planned=room.bytes_planned,
         bytes_moved=room.bytes_moved, fenced=room.fenced, code=room.code, reason=room.reason,
         history=tuple((state, at - room.created) for state, at in room.history) if history else (),
     )
 
 
-def slot_infos(aux, now: float) -> list[SlotInfo]:
-    if aux is None:
-        return []
+def slot_infos(lanes, now: float) -> list[SlotInfo]:
+    """Every lane's slots, lane by lane."""
     return [
         SlotInfo(
-            index=s.index, state=s.state.value, room=s.room, generation=s.generation, since=now - s.since if s.since else 0.0,
-            fence_in=_fence_in(s, now),
+            index=s.index, lane=lane.index, state=s.state.value, room=room_of(s.room), generation=s.generation,
+            since=now - s.since if s.since else 0.0, fence_in=_fence_in(s, now),
         )
-        for s in aux.slots.slots
+        for lane in lanes if lane.aux is not None
+        for s in lane.aux.slots.slots
     ]
+
+
+def _rank_rooms(service, room: int) -> list[Room]:
+    """Every local rank's part of ``room``; UnknownRoom when there is none."""
+    rooms = {key: found for lane in service.lanes if (found := service.rooms.find(key := room_key(room, lane.code))) is not None}
+    return list(rooms.values()) or [service.rooms.get(room)]
 
 
 def _fence_in(slot, now: float) -> float:
@@ -65,9 +72,9 @@ def not_ready(daemon) -> list[str]:
     waiting = []
     if not daemon.session:
         waiting.append("transfer engine not initialised")
-    if service is None or service.kv is None:
+    if service is None or not any(lane.kv is not None for lane in service.lanes):
         waiting.append("no KV pool registered")
-    if service is None or service.aux is None:
+    if service is None or not any(lane.aux is not None for lane in service.lanes):
         waiting.append("no aux buffer registered")
     if service is None or not service.engines or not daemon.engine_connections():
         waiting.append("no engine connected")
@@ -93,6 +100,8 @@ def info(daemon, req: int = 0) -> InfoReply:
         "engine_messages": float(service.engine_messages),
         "cpu_takebacks": float(daemon.cpu_takebacks),
         "transfer_engine_process_restarts": float(daemon.engine_process_restarts),
+        "lanes": float(len(service.lanes)),
+        **{f"peer_messages_in:{kind}": float(n) for kind, n in service.peer_messages.items()},
     }
     waiting = not_ready(daemon)
     return InfoReply(
@@ -120,12 +129,13 @@ def handle(daemon, msg: Message) -> Message:
             ]
             return RoomsReply(req=msg.req, rooms=sorted(rooms, key=lambda r: -r.age))
         if isinstance(msg, AdminRoom):
-            room = service.rooms.get(msg.room)
+            rooms = _rank_rooms(service, msg.room)
             if msg.fail:
                 _writes_allowed(daemon, "fail a room")
-                if not service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}"):
-                    raise errors.BadMessage(f"room {room.id} already finished ({room.state.value})", room=room.id)
-            return RoomsReply(req=msg.req, rooms=[room_info(room, service.clock(), history=True)])
+                failed = [service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}") for room in rooms]
+                if not any(failed):
+                    raise errors.BadMessage(f"room {msg.room} already finished ({rooms[0].state.value})", room=msg.room)
+            return RoomsReply(req=msg.req, rooms=[room_info(room, service.clock(), history=True) for room in rooms])
         if isinstance(msg, AdminPeers):
             if msg.cut:
                 _writes_allowed(daemon, "cut a peer")
@@ -135,7 +145,7 @@ def handle(daemon, msg: Message) -> Message:
                 service.drain(msg.drain)
             return PeersReply(req=msg.req, peers=service.peer_infos(now, time.time()))
         if isinstance(msg, AdminSlots):
-            return SlotsReply(req=msg.req, slots=slot_infos(service.aux, now))
+            return SlotsReply(req=msg.req, slots=slot_infos(service.lanes, now))
     except errors.PdxferError as exc:
         return Error(req=msg.req, code=exc.code, message=exc.message, room=exc.room)
     return Error(req=msg.req, code=ErrorCode.BAD_MESSAGE, message=f"unexpected admin request {type(msg).__name__}")

@@ -107,7 +107,7 @@ class _Collector:
             rooms.add_metric([state.value], n)
         yield rooms
         slots = GaugeMetricFamily("pdxfer_slots", "Aux slots, by state", labels=["state"])
-        for state, n in (service.aux.slots.counts().items() if service.aux is not None else ()):
+        for state, n in service.slot_counts().items():
             slots.add_metric([state.value], n)
         yield slots
         peers = GaugeMetricFamily("pdxfer_peers", "Peers, by state", labels=["state"])
@@ -133,6 +133,11 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_kv_inline_rooms", "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)", value=service.kv_inline_rooms)
         yield CounterMetricFamily("pdxfer_kv_inline_bytes", "KV bytes sent inside aux records (prefill side)", value=service.kv_inline_bytes)
         yield CounterMetricFamily("pdxfer_engine_messages", "Messages received from engines (a poll() answered from pushed statuses sends none)", value=service.engine_messages)
+        peer_messages = CounterMetricFamily("pdxfer_peer_messages_received", "Messages received from peer daemons, by kind (one room_request per room per node pair: A5)", labels=["kind"])
+        for kind, n in service.peer_messages.items():
+            peer_messages.add_metric([kind], n)
+        yield peer_messages
+        yield GaugeMetricFamily("pdxfer_lanes", "Engine ranks this daemon serves (each with its own pools, slots and rooms)", value=len(service.lanes))
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)

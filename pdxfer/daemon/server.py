@@ -28,6 +28,7 @@ from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
 from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, MemoryHandle, Message, PeerError, PeerRefused, PeersReply, Role, RoomState, ShmHandle
 from ..core.rooms import Room
 from ..host import cpu_yield, memory
+from ..host.processes import EngineWatch
 from ..roles.decode import DecodeService
 from ..roles.ports import Mapping
 from ..roles.prefill import PrefillService
@@ -45,6 +46,7 @@ from .registry import DaemonRecord, Registry
 log = logging.getLogger("pdxfer.daemon")
 
 TICK_SECONDS = 0.05
+EVENT_POLL_SECONDS = 0.0002  # how often a chunk's CUDA event is asked whether it completed
 DRAIN_SETTLE = 2.0  # seconds a drain waits for the writes of the rooms it failed
 
 
@@ -61,6 +63,7 @@ class Daemon:
         self.sessions: Peer = ()  # our transfer engines' sessions
         self.task_failures = 0
         self.engine_process_restarts = 0
+        self.engine_watch = EngineWatch()  # engine processes this daemon sees: a killed one's rooms fail at once
         self.started = time.monotonic()
         self.draining = False
         self.metrics: Metrics | None = None
@@ -434,6 +437,8 @@ class Daemon:
         window = cpu_yield.sample() if self.yielding is not None else None  # yielding is decided before the ticker starts
         while True:
             await asyncio.sleep(TICK_SECONDS)
+            for identity, pid in self.engine_watch.gone():
+                self.service.engine_gone(identity, f"the engine process (pid {pid}) exited")
             self.service.tick()
             self.metrics.fold()
             if self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:
@@ -503,6 +508,7 @@ class Daemon:
         link.on_dropped = self._peer_messages_dropped
         link.on_refused = lambda code, why: self._link_refused(endpoint, code, why)
         link.keep = self.service.still_wanted
+        link.greeting = lambda: [self.codec.encode(self.service.hello())]
         link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),
@@ -590,6 +596,10 @@ class DaemonPort:
 
     same_memory = staticmethod(memory.same_memory)
 
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        if not self._daemon.engine_watch.add(identity, pid, pid_namespace):
+            log.info("engine connection %s: its process (pid %d) is not visible here; a killed engine's rooms fail at their timeouts", identity.hex(), pid)
+
 
 class PrefillDaemonPort(DaemonPort):
     """roles.ports.PrefillPort: decode daemons on the bootstrap endpoint, writes through the pump."""
@@ -602,6 +612,34 @@ class PrefillDaemonPort(DaemonPort):
 
     def cancel(self, job: Job) -> None:
         self._daemon.pump.cancel(job)
+
+    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        """Polled on the loop's thread (the device is current there, D1) every
+        EVENT_POLL_SECONDS: the chunk waits, the loop does not."""
+        if paths.device_kind(self._daemon.config.device) != "cuda":
+            done(f"this daemon runs on {self._daemon.config.device}, not a CUDA device: send() a CUDA event only to a daemon started with --device cuda:N")
+            return
+        try:
+            event = memory.CudaIpcEvent(handle)
+        except PdxferError as exc:
+            done(exc.message)
+            return
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            try:
+                finished = event.done()
+            except PdxferError as exc:
+                event.close()
+                done(exc.message)
+                return
+            if finished:
+                event.close()
+                done("")
+            else:
+                loop.call_later(EVENT_POLL_SECONDS, check)
+
+        check()
 
 
 class DecodeDaemonPort(DaemonPort):

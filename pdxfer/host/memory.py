@@ -335,6 +335,42 @@ class CudaIpcMemory:
         self._cudart.cudaIpcCloseMemHandle(ctypes.c_void_p(self.address))
 
 
+class CudaIpcEvent:
+    """A CUDA event another process recorded and exported (cudaIpcGetEventHandle),
+    opened here on the thread the device is current on: ``done()`` says whether the work
+    before it completed, without blocking."""
+
+    class _Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    NOT_READY = 600  # cudaErrorNotReady
+
+    def __init__(self, handle: bytes) -> None:
+        if len(handle) != ctypes.sizeof(self._Handle):
+            raise BadMessage(f"a CUDA event handle is the {ctypes.sizeof(self._Handle)} bytes of a cudaIpcEventHandle_t, not {len(handle)}")
+        self._cudart = _load("cudart", "a send() with a CUDA event needs the CUDA runtime and a visible GPU (--device cuda:N)")
+        self._cudart.cudaIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), self._Handle]
+        self._cudart.cudaEventQuery.argtypes = [ctypes.c_void_p]
+        self._cudart.cudaEventDestroy.argtypes = [ctypes.c_void_p]
+        self._cudart.cudaGetErrorString.restype = ctypes.c_char_p
+        self._event = ctypes.c_void_p()
+        self._check(self._cudart.cudaIpcOpenEventHandle(ctypes.byref(self._event), self._Handle.from_buffer_copy(handle)), "cudaIpcOpenEventHandle")
+
+    def _check(self, rc: int, call: str) -> None:
+        if rc != 0:
+            raise Unsupported(f"{call} failed: CUDA error {rc} ({self._cudart.cudaGetErrorString(rc).decode()})")
+
+    def done(self) -> bool:
+        rc = self._cudart.cudaEventQuery(self._event)
+        if rc == self.NOT_READY:
+            return False
+        self._check(rc, "cudaEventQuery")
+        return True
+
+    def close(self) -> None:
+        self._cudart.cudaEventDestroy(self._event)
+
+
 class NpuIpcMemory:
     """An NPU pool imported with aclrtIpcMemImportByKey."""
 

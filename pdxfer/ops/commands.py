@@ -109,8 +109,11 @@ def add_commands(sub) -> None:
         sub, "room", "show one room in full with its transition history; --fail fails it",
         "Show one room: state, peer, slot and generation, bytes, error, and each state it went through with\n"
         "the time after creation and the daemon's wall clock. With --fail, fail the room (its engine and its\n"
-        "peer are told, its slot is quarantined until fenced); the daemon must run with --admin-writes.",
-        "print the room, every field and its history as [state, seconds after creation] pairs",
+        "peer are told, its slot is quarantined until fenced); the daemon must run with --admin-writes.\n"
+        "A daemon serving several ranks of an engine holds a room once per rank (lane): each part is shown,\n"
+        "and --fail fails them all.",
+        "print the room, every field and its history as [state, seconds after creation] pairs "
+        "(several parts: {\"rooms\": [...]})",
     )
     room.add_argument("room", type=room_id, metavar="ID", help="the room id")
     room.add_argument("--fail", action="store_true", help="operator action: fail this live room (needs a daemon run with --admin-writes)")

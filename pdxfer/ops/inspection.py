@@ -272,6 +272,18 @@ def emit_json(data: Any) -> None:
 
 
 ROOM_COLUMNS = ("ROOM", "ROLE", "STATE", "AGE", "IN STATE", "PEER", "SLOT/GEN", "PLANNED", "MOVED", "ERROR")
+LANE = "LANE"  # after the first column, where a daemon serves several engine ranks (lanes)
+
+
+def with_lanes(columns: tuple[str, ...], items: list[RoomInfo] | list[SlotInfo]) -> tuple[str, ...]:
+    """``columns``, with LANE after the first where any room or slot is on a lane other
+    than 0: a daemon serving several engine ranks holds a room (and a slot index) once
+    per rank. A daemon beside a single rank shows the table as ever."""
+    return (columns[0], LANE, *columns[1:]) if any(item.lane for item in items) else columns
+
+
+def lane_cells(rows: list[tuple], items: list[RoomInfo] | list[SlotInfo], lanes: bool) -> list[tuple]:
+    return [(row[0], item.lane, *row[1:]) for row, item in zip(rows, items)] if lanes else rows
 
 
 def slot_gen(room: RoomInfo) -> str:
@@ -282,19 +294,21 @@ def room_error(room: RoomInfo) -> str:
     return f"[{room.code.value}] {room.reason}" if room.code else "-"
 
 
-ROOM_RIGHT = ("ROOM", "AGE", "IN STATE", "PLANNED", "MOVED")
+ROOM_RIGHT = ("ROOM", LANE, "AGE", "IN STATE", "PLANNED", "MOVED")
 
 
-def room_rows(rooms: list[RoomInfo], width: int = 72) -> list[tuple]:
-    return [
+def room_rows(rooms: list[RoomInfo], width: int = 72, lanes: bool = False) -> list[tuple]:
+    rows = [
         (r.room, r.role.value, r.state.value, tables.duration(r.age), tables.duration(r.in_state), r.peer or "-", slot_gen(r),
          tables.size(r.bytes_planned), tables.size(r.bytes_moved), tables.shorten(room_error(r), width))
         for r in rooms
     ]
+    return lane_cells(rows, rooms, lanes)
 
 
 def rooms_table(rooms: list[RoomInfo], width: int = 72, indent: str = "") -> str:
-    return tables.table(ROOM_COLUMNS, room_rows(rooms, width), right=ROOM_RIGHT, indent=indent)
+    columns = with_lanes(ROOM_COLUMNS, rooms)
+    return tables.table(columns, room_rows(rooms, width, LANE in columns), right=ROOM_RIGHT, indent=indent)
 
 
 def rooms_summary(rooms: list[RoomInfo]) -> str:
@@ -327,18 +341,20 @@ def cmd_rooms(args) -> int:
             emit_json({"rooms": [{"daemon": name, **plain(r)} for name, rooms in answers for r in rooms]})
             return
         if any(rooms for _, rooms in answers):
-            print(by_daemon(ROOM_COLUMNS, [(name, room_rows(rooms)) for name, rooms in answers], ROOM_RIGHT))
+            columns = with_lanes(ROOM_COLUMNS, [r for _, rooms in answers for r in rooms])
+            print(by_daemon(columns, [(name, room_rows(rooms, lanes=LANE in columns)) for name, rooms in answers], ROOM_RIGHT))
         for name, rooms in answers:
             print(f"{name}: " + (rooms_summary(rooms) if rooms else "no rooms" + (" match" if filtered else "")))
 
     return run_all(args, ask, show_all) if args.all else run(args, body)
 
 
-def room_detail(room: RoomInfo, wall: float) -> str:
-    """One room in full; ``wall`` is the daemon's wall clock when it answered."""
+def room_detail(room: RoomInfo, wall: float, lane: bool = False) -> str:
+    """One room in full (``lane``: naming the engine rank's lane it is on); ``wall`` is
+    the daemon's wall clock when it answered."""
     created = wall - room.age
     lines = [
-        f"room {room.room} ({room.role.value}): {room.state.value} for {tables.duration(room.in_state)}, "
+        f"room {room.room} ({room.role.value}{f', lane {room.lane}' if lane else ''}): {room.state.value} for {tables.duration(room.in_state)}, "
         f"created {tables.duration(room.age)} ago ({tables.clock(created)})",
         f"  peer      {room.peer or '-'}",
         f"  slot      {room.slot if room.slot >= 0 else '-'}  generation {room.generation or '-'}",
@@ -361,15 +377,14 @@ def cmd_room(args) -> int:
         fields = {"room": args.room}
         if args.fail:
             fields.update(fail=True, reason=args.reason)
-        reply = admin.call(AdminRoom, **fields)
-        room = reply.rooms[0]
+        rooms = admin.call(AdminRoom, **fields).rooms  # one part per engine rank (lane) that holds the room
         if args.json:
-            emit_json(plain(room))
+            emit_json(plain(rooms[0]) if len(rooms) == 1 else {"rooms": [plain(room) for room in rooms]})
             return 0
         info = admin.call(AdminInfo)
         if args.fail:
-            print(f"room {room.room} failed by operator request on the {info.role.value} daemon {info.name!r}")
-        print(room_detail(room, info.wall))
+            print(f"room {args.room} failed by operator request on the {info.role.value} daemon {info.name!r}")
+        print("\n\n".join(room_detail(room, info.wall, lane=len(rooms) > 1) for room in rooms))
         return 0
 
     return run(args, body)
@@ -457,19 +472,21 @@ def slots_summary(slots: list[SlotInfo]) -> str:
     return f"{len(slots)} slots: {count['free']} free, {held} held ({detail}), {count['quarantined']} quarantined"
 
 
-SLOT_RIGHT = ("SLOT", "ROOM", "GEN", "SINCE", "FENCE IN")
+SLOT_RIGHT = ("SLOT", LANE, "ROOM", "GEN", "SINCE", "FENCE IN")
 
 
-def slot_rows(slots: list[SlotInfo]) -> list[tuple]:
-    return [
+def slot_rows(slots: list[SlotInfo], lanes: bool = False) -> list[tuple]:
+    rows = [
         (s.index, s.state, s.room or "-", s.generation or "-", tables.duration(s.since),
          ("pending" if s.fence_in < 0 else tables.duration(s.fence_in)) if s.state == "quarantined" else "-")
         for s in slots
     ]
+    return lane_cells(rows, slots, lanes)
 
 
 def slots_table(slots: list[SlotInfo]) -> str:
-    return tables.table(SLOT_COLUMNS, slot_rows(slots), right=SLOT_RIGHT)
+    columns = with_lanes(SLOT_COLUMNS, slots)
+    return tables.table(columns, slot_rows(slots, LANE in columns), right=SLOT_RIGHT)
 
 
 def cmd_slots(args) -> int:
@@ -498,7 +515,8 @@ def cmd_slots(args) -> int:
             emit_json({"slots": [{"daemon": name, **plain(s)} for name, slots in answers for s in (listed(slots) if args.state else slots)]})
             return
         if any(listed(slots) for _, slots in answers):
-            print(by_daemon(SLOT_COLUMNS, [(name, slot_rows(listed(slots))) for name, slots in answers], SLOT_RIGHT))
+            columns = with_lanes(SLOT_COLUMNS, [s for _, slots in answers for s in listed(slots)])
+            print(by_daemon(columns, [(name, slot_rows(listed(slots), LANE in columns)) for name, slots in answers], SLOT_RIGHT))
         for name, slots in answers:
             print(f"{name}: " + (slots_summary(slots) if slots else "no aux buffer registered yet: no slots"))
         if hint:

@@ -32,6 +32,7 @@ from ..core.protocol import (
     Expect,
     FreeSlot,
     GetStats,
+    ONE_RANK,
     Message,
     Ok,
     Poll,
@@ -51,8 +52,9 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room, RoomTable, Timeouts
 from ..core.slots import SlotState
+from ..core.topology import room_key, room_of
 from ..transport import Peer
-from .pools import MappedAux, MappedKV
+from .pools import Lane, MappedAux, MappedKV
 from .ports import Mapping, Port
 
 log = logging.getLogger("pdxfer.service")
@@ -86,8 +88,8 @@ class RoomService:
             Timeouts(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.retention),
         )
         self.rooms.observer = port.observe
-        self.kv: MappedKV | None = None
-        self.aux: MappedAux | None = None
+        self.lanes: list[Lane] = []  # every engine rank that said hello or registered, by index
+        self.engine_lanes: dict[bytes, Lane] = {}  # engine connection -> its lane
         # Replaced mappings, (release time, mapping): writes of the rooms failed with
         # them may still touch them until their lease and fence ran out.
         self.retired: list[tuple[float, Mapping]] = []
@@ -99,7 +101,7 @@ class RoomService:
         self.failures: collections.Counter[str] = collections.Counter()
         self.engines: set[bytes] = set()  # engine connections that said hello
         self.engine_messages = 0  # engine messages received (clients answer poll() from pushed statuses: B6)
-        self.rank: tuple[Rank, Rank] | None = None  # (rank, sizes) of the engine rank this daemon serves (step 1: one)
+        self.peer_messages: collections.Counter[str] = collections.Counter()  # peer messages received, by kind (A5 counts requests)
         self.outcomes: collections.Counter[str] = collections.Counter()  # rooms finished: success / failed
         self.heartbeats = config.heartbeats
         self.heartbeat_misses = 0
@@ -122,7 +124,7 @@ class RoomService:
         except UNDECODABLE as exc:
             return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
         if isinstance(msg, (RegisterKV, RegisterAux)):
-            return self._registration(msg)
+            return self._registration(self.lane_for(identity), msg)
         try:
             reply = self._dispatch(identity, msg)
         except Exception as exc:
@@ -135,9 +137,9 @@ class RoomService:
                 return None
         return reply
 
-    async def _registration(self, msg: RegisterKV | RegisterAux) -> Message:
+    async def _registration(self, lane: Lane, msg: RegisterKV | RegisterAux) -> Message:
         try:
-            return await (self._register_kv(msg) if isinstance(msg, RegisterKV) else self._register_aux(msg))
+            return await (self._register_kv(lane, msg) if isinstance(msg, RegisterKV) else self._register_aux(lane, msg))
         except Exception as exc:
             return self._error_reply(msg, exc)
 
@@ -162,29 +164,33 @@ class RoomService:
             self.admit(msg.room)
             return self.on_announce(identity, msg)
         if isinstance(msg, Release):
-            room = self.rooms.get(msg.room)
-            if not room.finished:
-                raise errors.BadMessage(f"room {room.id} is {room.state.value}; abort it before releasing it", room=room.id)
+            room = self.rooms.get(self.engine_key(identity, msg.room))
+            state = self.status(room).state
+            if state not in (RoomState.SUCCESS, RoomState.FAILED):
+                raise errors.BadMessage(f"room {msg.room} is {state.value}; abort it before releasing it", room=msg.room)
             self.drop(room)
             return Ok(req=msg.req)
         if isinstance(msg, AllocSlot):
-            slots, now = self._aux().slots, self.clock()
-            first = slots.allocate(now)
-            more = tuple((s.index, s.generation) for s in (slots.allocate(now) for _ in range(min(msg.count - 1, slots.free_count))))
-            return SlotGrant(req=msg.req, slot=first.index, generation=first.generation, payload_bytes=self._aux().payload_bytes, more=more)
+            aux, now = self.lane_for(identity).registered_aux(), self.clock()
+            first = aux.slots.allocate(now)
+            more = tuple((s.index, s.generation) for s in (aux.slots.allocate(now) for _ in range(min(msg.count - 1, aux.slots.free_count))))
+            return SlotGrant(req=msg.req, slot=first.index, generation=first.generation, payload_bytes=aux.payload_bytes, more=more)
         if isinstance(msg, Poll):
-            room = self.rooms.find(msg.room)
-            if room is None and msg.room in self.finished:  # released, or failed with no engine to tell
-                state, code, reason = self.finished[msg.room]
+            key = self.engine_key(identity, msg.room)
+            room = self.rooms.find(key)
+            if room is None and key in self.finished:  # released, or failed with no engine to tell
+                state, code, reason = self.finished[key]
                 return RoomStatus(req=msg.req, room=msg.room, state=state, code=code, reason=reason, fenced=True)
-            return self.status(self.rooms.get(msg.room), msg.req)
+            return self.status(self.rooms.get(key), msg.req)
         if isinstance(msg, FreeSlot):
-            self._aux().slots.give_back(msg.slot, msg.generation, self.clock())
+            self.lane_for(identity).registered_aux().slots.give_back(msg.slot, msg.generation, self.clock())
             return Ok(req=msg.req)
         if isinstance(msg, Abort):
-            room = self.rooms.find(msg.room)
+            lane = self.lane_for(identity)
+            room = self.rooms.find(room_key(msg.room, lane.code))
             if room is None:  # a tombstone, so the peer learns of the abort when it asks
-                room = self.rooms.create(msg.room, self.role, self.clock())
+                room = self.rooms.create(room_key(msg.room, lane.code), self.role, self.clock())
+                room.lane = lane.index
             self.fail(room, ErrorCode.ABORTED, f"aborted by the {self.role.value} engine: {msg.reason}")
             return Ok(req=msg.req)
         if isinstance(msg, GetStats):
@@ -192,8 +198,10 @@ class RoomService:
         if isinstance(msg, EngineHello):
             if msg.version != PROTOCOL_VERSION:
                 raise errors.VersionMismatch(f"engine speaks protocol {msg.version}, this daemon speaks {PROTOCOL_VERSION}", side=errors.Side.ENGINE)
-            self._check_rank(msg)
+            self.engine_lanes[identity] = self._check_rank(msg)
             self.engines.add(identity)
+            if msg.pid:
+                self.port.watch_engine(identity, msg.pid, msg.pid_namespace)
             return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
 
@@ -205,8 +213,8 @@ class RoomService:
         """The transport was re-created: peers reach this daemon's engines at ``sessions`` now."""
         self.sessions = sessions
 
-    def _check_rank(self, hello: EngineHello) -> None:
-        """A1, step 1: this daemon serves one rank of an engine of its own role, without CP."""
+    def _check_rank(self, hello: EngineHello) -> Lane:
+        """A1: an engine rank of this daemon's role, without CP; its lane (made on first sight)."""
         who = f"engine {hello.engine_id!r}" if hello.engine_id else "the engine"
         if hello.role is not None and hello.role is not self.role:
             raise errors.Unsupported(f"{who} is a {hello.role.value} engine but this daemon is a {self.role.value} daemon: connect it to a {hello.role.value} daemon")
@@ -217,14 +225,53 @@ class RoomService:
             rank, size = getattr(hello.rank, dim), getattr(sizes, dim)
             if not rank < size:
                 raise errors.BadMessage(f"{who}: rank {dim}={rank} is not below its size {dim}={size}")
-        if self.rank is None:
-            self.rank = (hello.rank, sizes)
-        elif self.rank != (hello.rank, sizes):
-            served, served_sizes = self.rank
-            raise errors.Unsupported(
-                f"{who} is rank {_rank_text(hello.rank)} of {_rank_text(sizes)}, but this daemon serves rank "
-                f"{_rank_text(served)} of {_rank_text(served_sizes)}: a daemon serves one engine rank for now, so start a daemon beside each rank"
-            )
+        lane = self._lane(hello.engine_id, hello.rank)
+        if lane.sizes != sizes and lane.ready:
+            log.warning("%s now says sizes %s (was %s): it was redeployed", lane.name, _rank_text(sizes), _rank_text(lane.sizes))
+        lane.sizes = sizes
+        return lane
+
+    def _lane(self, engine_id: str, rank: Rank) -> Lane:
+        for lane in self.lanes:
+            if lane.engine_id == engine_id and (lane.rank.dp, lane.rank.pp, lane.rank.tp) == (rank.dp, rank.pp, rank.tp):
+                return lane
+        lane = Lane(len(self.lanes), engine_id, Rank(dp=rank.dp, pp=rank.pp, tp=rank.tp), ONE_RANK)
+        self.lanes.append(lane)
+        return lane
+
+    def lane_for(self, identity: bytes) -> Lane:
+        """The lane of an engine connection: the one its hello named, else rank 0 of an
+        unnamed engine (a client that never said hello)."""
+        lane = self.engine_lanes.get(identity)
+        return lane if lane is not None else self._lane("", Rank())
+
+    def engine_key(self, identity: bytes, room: int) -> int:
+        """The room-table key of ``room`` as this engine connection's rank knows it."""
+        return room_key(room, self.lane_for(identity).code)
+
+    def lane_of(self, room: Room) -> Lane:
+        return self.lanes[room.lane]
+
+    def engine_gone(self, identity: bytes, reason: str) -> int:
+        """The process behind an engine connection exited: its live rooms fail now, with
+        their peers told, and none waits for it to release them (A10: only that rank's
+        rooms). Its lane, and the memory it registered, stay for a successor. Returns
+        how many rooms failed."""
+        self.engines.discard(identity)
+        lane = self.engine_lanes.pop(identity, None)
+        mine = [room for room in self.rooms if self.engine_of(room) == identity]
+        failed = 0
+        for room in mine:
+            self.disown(room)
+            failed += self.fail(room, ErrorCode.ENGINE_GONE, f"{lane.name if lane else 'the engine'}: {reason}")
+            if room.finished and room.fenced and self.rooms.find(room.id) is room:
+                self.drop(room)
+        log.warning("%s: %s; %d of its rooms failed", lane.name if lane else "an engine", reason, failed)
+        return failed
+
+    def disown(self, room: Room) -> None:
+        """Hook: the room's engine is gone; nobody is told of it or releases it any more."""
+        raise NotImplementedError
 
     def on_announce(self, identity: bytes, msg: Announce) -> Message:
         raise errors.BadMessage(f"announce() goes to a prefill daemon; this one is {self.role.value}", room=msg.room)
@@ -242,13 +289,13 @@ class RoomService:
 
     # --- registrations
 
-    async def _register_kv(self, msg: RegisterKV) -> Message:
+    async def _register_kv(self, lane: Lane, msg: RegisterKV) -> Message:
         kinds = sorted({tag_of(handle) for handle in msg.buffers})
         if len(kinds) > 1:
             raise errors.Unsupported(f"the buffers of one KV registration must be of one kind, not {', '.join(kinds)}")
         paths.check_pool(self.config.protocol, self.config.device, kinds[0])
         check_registration([handle.size for handle in msg.buffers], msg.spec, msg.regions)
-        old = self.kv
+        old = lane.kv
         # A mapping is kept for a handle registered again only while it names the same memory.
         kept = {h: m for h, m in old.mappings.items() if self.port.same_memory(h, m)} if old is not None else {}
         same = old is not None and old.handles == msg.buffers and all(h in kept for h in msg.buffers)
@@ -260,13 +307,13 @@ class RoomService:
         for handle, mapping in (old.mappings.items() if old is not None else ()):
             if mappings.get(handle) is not mapping:
                 self._retire(mapping)  # never freed: a replaced buffer is unmapped once writes aimed at it are over
-        self.kv = MappedKV(mappings, msg.buffers, msg.spec, msg.regions, msg.memory_version, kinds[0])
+        lane.kv = MappedKV(mappings, msg.buffers, msg.spec, msg.regions, msg.memory_version, kinds[0])
         if same:
-            self._fail_stale_rooms(f"the engine re-registered its KV cache (memory version {old.version} -> {msg.memory_version})", old.version)
+            self._fail_stale_rooms(lane, f"the engine re-registered its KV cache (memory version {old.version} -> {msg.memory_version})", old.version)
         elif old is not None:
-            self._fail_stale_rooms("the engine registered new KV memory (a restarted engine?)")
-        log.info("registered KV cache: %d buffers, %d regions of %d pages (%d tokens each), layers %d-%d of %d, memory version %d",
-                 len(mappings), len(msg.regions), self.kv.num_pages, msg.spec.page_size, *msg.spec.layers, msg.spec.num_layers_total, msg.memory_version)
+            self._fail_stale_rooms(lane, "the engine registered new KV memory (a restarted engine?)")
+        log.info("%s registered its KV cache: %d buffers, %d regions of %d pages (%d tokens each), layers %d-%d of %d, memory version %d",
+                 lane.name, len(mappings), len(msg.regions), lane.kv.num_pages, msg.spec.page_size, *msg.spec.layers, msg.spec.num_layers_total, msg.memory_version)
         self.on_kv_registered()
         return Ok(req=msg.req)
 
@@ -284,7 +331,7 @@ class RoomService:
             raise
         return mappings
 
-    async def _register_aux(self, msg: RegisterAux) -> Message:
+    async def _register_aux(self, lane: Lane, msg: RegisterAux) -> Message:
         if not isinstance(msg.memory, ShmHandle):
             raise errors.Unsupported("aux buffers live in host shared memory (shm handles only)")
         if msg.memory.size < msg.num_slots * msg.slot_bytes:
@@ -292,12 +339,12 @@ class RoomService:
                 f"{msg.num_slots} slots of {msg.slot_bytes} bytes need {msg.num_slots * msg.slot_bytes} bytes, the buffer has {msg.memory.size}"
             )
         mapped = await self.port.map_memory(msg.memory)
-        if self.aux is not None:
+        if lane.aux is not None:
             # The old slots' rooms cannot finish; late writes land in the retired mapping.
-            self._fail_stale_rooms("the engine registered a new aux buffer (a restarted engine?)")
-            self._retire(self.aux.memory)
-        self.aux = MappedAux(mapped, msg.num_slots, msg.slot_bytes)
-        log.info("registered aux buffer: %d slots of %d bytes", msg.num_slots, msg.slot_bytes)
+            self._fail_stale_rooms(lane, "the engine registered a new aux buffer (a restarted engine?)")
+            self._retire(lane.aux.memory)
+        lane.aux = MappedAux(mapped, msg.num_slots, msg.slot_bytes)
+        log.info("%s registered its aux buffer: %d slots of %d bytes", lane.name, msg.num_slots, msg.slot_bytes)
         self.on_kv_registered()
         return Ok(req=msg.req)
 
@@ -308,11 +355,11 @@ class RoomService:
     def on_kv_registered(self) -> None:
         """Hook: the decode role re-announces its pools to its peers."""
 
-    def _fail_stale_rooms(self, reason: str, version: int | None = None) -> None:
-        """C3: live rooms planned against a replaced registration (all of them, or those
-        at or below ``version``) fail before more bytes move."""
+    def _fail_stale_rooms(self, lane: Lane, reason: str, version: int | None = None) -> None:
+        """C3: the lane's live rooms planned against a replaced registration (all of them,
+        or those at or below ``version``) fail before more bytes move."""
         for room in list(self.rooms):
-            if not room.finished and (version is None or self.room_memory_version(room) <= version):
+            if room.lane == lane.index and not room.finished and (version is None or self.room_memory_version(room) <= version):
                 self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"{reason} while this room was {room.state.value}")
 
     def room_memory_version(self, room: Room) -> int:
@@ -320,28 +367,33 @@ class RoomService:
 
     def mappings(self) -> list[Mapping]:
         """Every engine buffer mapped now (KV and aux), each once."""
-        kv = list(self.kv.mappings.values()) if self.kv is not None else []
-        return kv + ([self.aux.memory] if self.aux is not None else [])
+        out = []
+        for lane in self.lanes:
+            out += list(lane.kv.mappings.values()) if lane.kv is not None else []
+            out += [lane.aux.memory] if lane.aux is not None else []
+        return out
 
-    def _kv(self) -> MappedKV:
-        if self.kv is None:
-            raise errors.NotRegistered("the engine has not registered its KV pool")
-        return self.kv
+    def _kv(self, room: Room) -> MappedKV:
+        return self.lane_of(room).registered_kv()
 
-    def _aux(self) -> MappedAux:
-        if self.aux is None:
-            raise errors.NotRegistered("the engine has not registered its aux buffer")
-        return self.aux
+    def _aux(self, room: Room) -> MappedAux:
+        return self.lane_of(room).registered_aux()
 
-    def check_local_version(self, used: int, room: int) -> None:
-        check_memory_version(used, self._kv().version, "local", room)
+    def _slots_of(self, room: Room):
+        """The room's lane's slot allocator, or None before it registered an aux buffer."""
+        aux = self.lanes[room.lane].aux if room.lane < len(self.lanes) else None
+        return aux.slots if aux is not None else None
+
+    @staticmethod
+    def check_local_version(lane: Lane, used: int, room: int) -> None:
+        check_memory_version(used, lane.registered_kv().version, "local", room)
 
     # --- rooms
 
     def status(self, room: Room, req: int = 0) -> RoomStatus:
         pages, skip = self.room_pages(room)
         return RoomStatus(
-            req=req, room=room.id, state=room.state, code=room.code, reason=room.reason, fenced=room.fenced,
+            req=req, room=room_of(room.id), state=room.state, code=room.code, reason=room.reason, fenced=room.fenced,
             pages=pages, skip_pages=skip,
         )
 
@@ -357,15 +409,17 @@ class RoomService:
 
     def push(self, room: Room, engine: bytes) -> None:
         if engine:
-            self.port.send_engine(engine, self.status(room))
-            if room.release_when_settled and room.finished and room.fenced and self.rooms.find(room.id) is room:
+            status = self.status(room)
+            self.port.send_engine(engine, status)
+            settled = status.state is RoomState.SUCCESS or (status.state is RoomState.FAILED and status.fenced)
+            if room.release_when_settled and settled and self.rooms.find(room.id) is room:
                 self.drop(room)
 
     def engine_of(self, room: Room) -> bytes:
         raise NotImplementedError
 
     def bind_slot(self, room: Room, slot: int, generation: int) -> None:
-        self._aux().slots.bind(slot, generation, room.id, self.clock())
+        self._aux(room).slots.bind(slot, generation, room.id, self.clock())
         room.slot, room.generation = slot, generation
 
     def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
@@ -377,10 +431,11 @@ class RoomService:
         self.count_failure(code.value)
         self.outcomes["failed"] += 1
         log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason, extra={"room": room.id, "peer": room.peer or None})
-        if room.slot >= 0 and self.aux is not None:
-            slot = self.aux.slots.slots[room.slot]
+        slots = self._slots_of(room)
+        if room.slot >= 0 and slots is not None:
+            slot = slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.ARMED, SlotState.WRITTEN):
-                self.aux.slots.quarantine(room.slot, room.generation, now, self.fence_deadline(room, now))
+                slots.quarantine(room.slot, room.generation, now, self.fence_deadline(room, now))
         room.fenced = self.stop_writes(room)
         if room.fenced:
             self._fence_slot(room)
@@ -410,17 +465,28 @@ class RoomService:
         peer_unreachable, rather than at their timeout."""
         for payload in payloads:
             msg = self.codec.peer_messages.decode(payload)
-            room = self.rooms.find(getattr(msg, "room", 0))
-            if room is not None and not room.finished:
-                self.never_sent(room, msg)
-                self.fail(room, ErrorCode.PEER_UNREACHABLE, "a message for this room could not be sent to the peer daemon (its connection was closing, or too much already waited for it)")
+            for room in self.rooms_of_message(msg):
+                if not room.finished:
+                    self.never_sent(room, msg)
+                    self.fail(room, ErrorCode.PEER_UNREACHABLE, "a message for this room could not be sent to the peer daemon (its connection was closing, or too much already waited for it)")
+
+    def rooms_of_message(self, msg: Message) -> list[Room]:
+        """Hook: the rooms of ours a peer message is about."""
+        raise NotImplementedError
+
+    def slot_counts(self) -> collections.Counter:
+        """Slots by state, over every lane."""
+        counts: collections.Counter = collections.Counter()
+        for lane in self.lanes:
+            if lane.aux is not None:
+                counts.update(lane.aux.slots.counts())
+        return counts
 
     def stats(self, req: int = 0) -> Stats:
-        slots = self.aux.slots.counts() if self.aux is not None else {}
         return Stats(
             req=req,
             rooms={state.value: n for state, n in self.rooms.counts().items()},
-            slots={state.value: n for state, n in slots.items()},
+            slots={state.value: n for state, n in self.slot_counts().items()},
             failures=dict(self.failures),
             peers=self.peer_count(),
         )
@@ -470,8 +536,9 @@ class RoomService:
             self.drop(room)
 
     def _fence_slot(self, room: Room) -> None:
-        if room.slot >= 0 and self.aux is not None:
-            self.aux.slots.fence(room.slot, room.generation, self.clock())
+        slots = self._slots_of(room)
+        if room.slot >= 0 and slots is not None:
+            slots.fence(room.slot, room.generation, self.clock())
 
     def succeed(self, room: Room, event: Event) -> None:
         """``event`` ends the room well: the decode side's ack (prefill), or the verified aux record (decode)."""
@@ -494,10 +561,11 @@ class RoomService:
         self.rooms.remove(room.id)
         self.forget(room)
         self.remember(room.id, room.state, room.code, room.reason)
-        if room.slot >= 0 and self.aux is not None:
-            slot = self.aux.slots.slots[room.slot]
+        slots = self._slots_of(room)
+        if room.slot >= 0 and slots is not None:
+            slot = slots.slots[room.slot]
             if slot.generation == room.generation and slot.state in (SlotState.GRANTED, SlotState.ARMED, SlotState.WRITTEN):
-                self.aux.slots.release(room.slot, room.generation, self.clock())
+                slots.release(room.slot, room.generation, self.clock())
 
     def never_sent(self, room: Room, msg: Message) -> None:
         """Hook: ``msg``, about the live ``room``, was dropped before it left this process."""
@@ -521,11 +589,13 @@ class RoomService:
             self.retired = [(t, m) for t, m in self.retired if t > now]
             for mapping in due:
                 self.port.release_mapping(mapping)
-        if self.aux is not None:
-            reclaimed = self.aux.slots.reclaim_granted(now - self.config.retention)
+        for lane in self.lanes:
+            if lane.aux is None:
+                continue
+            reclaimed = lane.aux.slots.reclaim_granted(now - self.config.retention)
             if reclaimed:
-                log.warning("reclaimed %d aux slots granted over %gs ago and never used: %s", len(reclaimed), self.config.retention, reclaimed[:8])
-            for slot in self.aux.slots.expire_fences(now):
+                log.warning("reclaimed %d aux slots of %s granted over %gs ago and never used: %s", len(reclaimed), lane.name, self.config.retention, reclaimed[:8])
+            for slot in lane.aux.slots.expire_fences(now):
                 room = self.rooms.find(slot.room)  # the room it was quarantined for, not its new state
                 log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room, extra={"room": slot.room})
                 if room is not None and room.generation == slot.generation:

@@ -54,6 +54,9 @@ from ..core.protocol import (
     Expect,
     Heartbeat,
     HeartbeatAck,
+    LaneInfo,
+    LegRequest,
+    LegWritten,
     Message,
     Ok,
     PeerError,
@@ -63,18 +66,20 @@ from ..core.protocol import (
     PeerWelcome,
     Role,
     RoomAccepted,
+    RoomState,
     RoomAck,
     RoomFailed,
     RoomRequest,
     TransferStarted,
-    compat_hash,
+    tag_of,
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
 from ..core.stamp import HEADER_BYTES, Stamp, verify
+from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key, room_of
 from ..transport import Peer, primary
 from .base import RoomService
-from .pools import compat
+from .pools import Lane, compat
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
@@ -106,7 +111,7 @@ class PrefillLink:
     session: str = ""
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
-    unfenced: dict[int, tuple[int, int]] = field(default_factory=dict)  # released rooms' (slot, generation) waiting for this prefill
+    unfenced: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # released rooms' (lane, slot, generation) waiting for this prefill
     draining: bool = False
     beat_wall: float = 0.0  # wall clock when the last heartbeat left
     rtt: float = -1.0  # seconds, from the last answered heartbeat
@@ -115,7 +120,10 @@ class PrefillLink:
     # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
     # each was read there before the answer left and here after it arrived.
     offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
-    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset
+    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset, by room id
+    # Connections lost so far: a room's request leaves on the connection of its epoch, so
+    # rooms asked for after the last loss reached whoever answers on the next one.
+    epoch: int = 0
 
     def clock_sample(self, theirs: float, now: float) -> None:
         if theirs:
@@ -128,15 +136,44 @@ class PrefillLink:
 
 
 @dataclass(eq=False)
+class LegState:
+    """One leg of a decode rank's room (ENGINES.md §7.A4): one prefill rank's part."""
+
+    request: LegRequest
+    landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
+    peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
+    peer_failed: bool = False  # the failure came from that prefill rank: it knows
+    first_check: float = 0.0  # first verification attempt of what landed
+
+    @property
+    def whole(self) -> bool:
+        """Whole pages of every layer: what --verify-kv's digest covers."""
+        return self.request.head_count == 0 and self.request.layers == (0, 0)
+
+
+@dataclass(eq=False)
 class DecodeWork:
     engine: bytes
     link: str
     memory_version: int
     pages: np.ndarray
+    legs: dict[int, LegState]  # by leg code
+    epoch: int = 0  # its link's epoch when it was asked for
     started: float = 0.0  # when we learnt the prefill began writing
-    peer_fenced: bool = False  # the prefill said it has no write in flight for this room
-    peer_failed: bool = False  # the failure came from the prefill: it knows
-    first_check: float = 0.0  # first verification attempt of the aux record
+
+    @property
+    def peer_fenced(self) -> bool:
+        """No prefill rank of the room has a write in flight for it."""
+        return all(leg.peer_fenced for leg in self.legs.values())
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    """A room's legs from the local ranks that expected it so far, before its request
+    leaves for the prefill daemon (A5)."""
+
+    link: PrefillLink
+    legs: list[LegRequest]
 
 
 class DecodeService(RoomService):
@@ -147,6 +184,7 @@ class DecodeService(RoomService):
         self.port: DecodePort = port
         self.links: dict[str, PrefillLink] = {}
         self.work: dict[int, DecodeWork] = {}
+        self.pending: dict[tuple[str, int], PendingRequest] = {}  # (prefill endpoint, room id): legs gathering (A5)
         self.name = f"{config.host}/{config.instance}"  # stable name peers know this daemon by
         self.probe_base = probe_base  # 64 scratch bytes of ours a prefill may write to test its session
         self.engine_release = engine_release  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
@@ -155,7 +193,8 @@ class DecodeService(RoomService):
     # --- engine side
 
     def on_expect(self, identity: bytes, msg: Expect) -> Message:
-        kv, _ = self._kv(), self._aux()
+        lane = self.lane_for(identity)
+        kv, aux = lane.registered_kv(), lane.registered_aux()
         endpoint = self._resolve(msg.bootstrap, msg.room)
         link = self.links.get(endpoint)
         if link is not None and link.draining:
@@ -165,28 +204,92 @@ class DecodeService(RoomService):
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room) from None
         check_pages(dst, kv.num_pages, "destination", msg.room)
-        self.check_local_version(msg.memory_version, msg.room)
-        room = self.rooms.create(msg.room, Role.DECODE, self.clock(), peer=endpoint)
+        self.check_local_version(lane, msg.memory_version, msg.room)
+        legs = self._leg_requests(lane, msg)
+        room = self.rooms.create(room_key(msg.room, lane.code), Role.DECODE, self.clock(), peer=endpoint)
+        room.lane = lane.index
         # What it can receive at most: its pages in every region and a full aux record.
-        room.bytes_planned = dst.size * kv.page_bytes + self._aux().slot_bytes
+        room.bytes_planned = dst.size * kv.page_bytes + aux.slot_bytes
         try:
             self.bind_slot(room, msg.slot, msg.generation)
         except PdxferError:
             self.rooms.remove(room.id)
             raise
-        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy())
+        # A dummy leg writes nothing here: landed and fenced from the start.
+        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real) for leg in legs}
         link = self._link(endpoint)
+        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch)
         link.rooms.add(room.id)
+        self._gather(link, msg.room, lane, legs)
+        return Ok(req=msg.req)
+
+    def _leg_requests(self, lane: Lane, msg: Expect) -> list[LegRequest]:
+        """This rank's legs of the room (core/topology.py): which prefill ranks write
+        which heads and layers into its pages, and which one carries the aux record."""
+        spec = lane.registered_kv().spec
+        prefill_tp, prefill_pp = msg.prefill_sizes.tp or 1, msg.prefill_sizes.pp or 1
+        try:
+            expected = spec.heads.total if spec.mla else local_heads(spec.heads.total, lane.sizes.tp)
+            if spec.heads.local != expected:
+                raise errors.BadMessage(
+                    f"{lane.name} registered {spec.heads.local} local KV heads, but {spec.heads.total} heads over TP "
+                    f"{lane.sizes.tp} give each rank {expected}")
+            legs = legs_for_decode_rank(prefill_tp, lane.sizes.tp, spec.heads.total, lane.rank.tp, spec.mla, prefill_pp,
+                                        lane.sizes.pp, num_layers=spec.num_layers_total, decode_stage=lane.rank.pp)
+        except PdxferError as exc:
+            raise PdxferError(exc.message, code=exc.code, room=msg.room) from None
+        prefill_heads = spec.heads.total if spec.mla else local_heads(spec.heads.total, prefill_tp)
+        fan_out = max(1, lane.sizes.tp // prefill_tp)  # how many decode ranks each prefill rank writes to
+        out = []
+        for leg in legs:
+            whole_heads = leg.head_count == spec.heads.local == prefill_heads
+            whole_layers = (leg.layer_start, leg.layer_end) == (0, spec.num_layers_total)
+            out.append(LegRequest(
+                leg=leg_code(leg), lane=lane.index, pages=msg.pages,
+                slot=msg.slot if leg.carries_aux else 0, generation=msg.generation if leg.carries_aux else 0,
+                memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages,
+                real=leg.real, src_head_start=0 if whole_heads else leg.src_head_start,
+                head_count=0 if whole_heads else leg.head_count, dst_head_start=0 if whole_heads else leg.dst_head_start,
+                layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end), fan_out=fan_out,
+            ))
+        return out
+
+    def _gather(self, link: PrefillLink, room_id: int, lane: Lane, legs: list[LegRequest]) -> None:
+        """A5: one request per room per prefill daemon, with the legs of every local rank
+        of the engine; it leaves once they all expected the room, or after expect_batch_ms."""
+        key = (link.endpoint, room_id)
+        pending = self.pending.get(key)
+        if pending is None:
+            self.pending[key] = pending = PendingRequest(link, [])
+        pending.legs.extend(legs)
+        if all(self.rooms.find(room_key(room_id, self.lanes[i].code)) is not None for i in self._siblings(lane)):
+            self._flush(key, pending)
+        elif len(pending.legs) == len(legs):  # the first rank's: the others have expect_batch_ms to follow
+            self.port.later(self.config.expect_batch_ms / 1000, lambda: self._flush(key, pending))
+
+    def _siblings(self, lane: Lane) -> set[int]:
+        """The registered lanes of ``lane``'s engine and DP rank: every one expects each of its rooms."""
+        return {other.index for other in self.lanes
+                if other.ready and other.engine_id == lane.engine_id and other.rank.dp == lane.rank.dp} | {lane.index}
+
+    def _flush(self, key: tuple[str, int], pending: PendingRequest) -> None:
+        if self.pending.get(key) is not pending:
+            return  # sent already
+        del self.pending[key]
+        if not pending.legs:
+            return
+        link, room_id = pending.link, key[1]
         request = RoomRequest(
-            room=room.id, pages=msg.pages, slot=msg.slot, generation=msg.generation, memory_version=msg.memory_version,
-            num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages, lease_ms=int(self.config.transfer_timeout * 1000),
+            room=room_id, legs=tuple(pending.legs), lease_ms=int(self.config.transfer_timeout * 1000),
             writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
             self.port.send_link(link.endpoint, request)
+        elif room_id in link.held:  # a later rank's legs join those already waiting for the welcome
+            held = link.held[room_id]
+            link.held[room_id] = msgspec.structs.replace(held, legs=held.legs + request.legs)
         else:  # its leave to write needs the prefill's clock: the welcome brings it
-            link.held[room.id] = request
-        return Ok(req=msg.req)
+            link.held[room_id] = request
 
     def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
         """A request held until the link knew the prefill's clock, with its leave to write from now."""
@@ -221,29 +324,30 @@ class DecodeService(RoomService):
         return link
 
     def hello(self) -> PeerHello:
-        kv, aux = self._kv(), self._aux()
-        ours = compat(kv, aux)
         return PeerHello(
             version=PROTOCOL_VERSION,
             incarnation=self.incarnation,
             session=primary(self.sessions),
             sessions=self.sessions,
-            compat=ours,
-            compat_hash=compat_hash(ours),
-            region_bases=kv.bases,
-            num_pages=kv.num_pages,
-            aux_base=aux.memory.address,
-            aux_slots=aux.num_slots,
-            memory_version=kv.version,
+            lanes=tuple(self._lane_info(lane) for lane in self.lanes if lane.ready),
             name=self.name,
             probe_base=self.probe_base,
             verify_kv=self.config.verify_kv,
-            inline_kv_bytes=paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes),
+            inline_kv_bytes=min((paths.inline_kv_limit(lane.kv.kind, self.config.inline_kv_bytes) for lane in self.lanes if lane.ready), default=0),
             engine_release=self.engine_release,
         )
 
+    @staticmethod
+    def _lane_info(lane: Lane) -> LaneInfo:
+        kv, aux = lane.kv, lane.aux
+        return LaneInfo(
+            index=lane.index, rank=lane.rank, compat=compat(kv, aux), heads_local=kv.spec.heads.local,
+            layers=kv.spec.layers, region_bases=kv.bases, num_pages=kv.num_pages, aux_base=aux.memory.address,
+            aux_slots=aux.num_slots, memory_version=kv.version,
+        )
+
     def on_kv_registered(self) -> None:
-        if self.kv is not None and self.aux is not None:
+        if any(lane.ready for lane in self.lanes):
             for endpoint in self.links:
                 self.port.send_link(endpoint, self.hello())
 
@@ -261,6 +365,7 @@ class DecodeService(RoomService):
         except UNDECODABLE as exc:
             log.warning("undecodable message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
             return
+        self.peer_messages[tag_of(msg)] += 1
         try:
             self._dispatch_link(link, msg)
         except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)
@@ -274,12 +379,12 @@ class DecodeService(RoomService):
             log.exception("internal error handling %s from prefill %s", type(msg).__name__, endpoint, extra={"peer": endpoint})
 
     def _dispatch_link(self, link: PrefillLink, msg: Message) -> None:
-        if isinstance(msg, AuxRecord):  # every room's, so asked first
-            room = self._room_of(link, msg.room)
+        if isinstance(msg, (AuxRecord, LegWritten)):  # every room's, so asked first
+            room = self._room_of(link, msg.room, msg.leg)
             if room is not None:
-                self._aux_record(link, room, msg)
-            else:  # the prefill sends aux only after its writes completed
-                self._confirmed_released(link, msg.room)
+                self._leg_record(link, room, msg)
+            else:  # the prefill sends these only after its writes completed
+                self._confirmed_released(link, msg.room, msg.leg)
             return
         if isinstance(msg, HeartbeatAck):
             now = self.clock()
@@ -303,39 +408,66 @@ class DecodeService(RoomService):
         if isinstance(msg, PeerError):
             self._peer_error(link, msg)
             return
-        room = self._room_of(link, msg.room)
+        if isinstance(msg, RoomAccepted):  # one per request: the rooms of the legs it took
+            for room in {r.id: r for leg in msg.legs if (r := self._room_of(link, msg.room, leg)) is not None}.values():
+                if room.state is RoomState.BOOTSTRAPPING:  # another leg's request may have been accepted first
+                    self.advance(room, Event.BOOTSTRAPPED)
+                if msg.input_ready:
+                    self._started(room)
+            return
+        room = self._room_of(link, msg.room, getattr(msg, "leg", 0))
         if room is None:  # released by its engine, or never ours
             if isinstance(msg, RoomFailed) and msg.fenced:
-                self._confirmed_released(link, msg.room)
+                self._confirmed_released(link, msg.room, msg.leg)
             return
-        if isinstance(msg, RoomAccepted):
-            self.advance(room, Event.BOOTSTRAPPED)
-            if msg.input_ready:
-                self._started(room)
-        elif isinstance(msg, TransferStarted):
+        if isinstance(msg, TransferStarted):
             self._started(room)
         elif isinstance(msg, RoomFailed):
             w = self.work[room.id]
-            w.peer_fenced, w.peer_failed = msg.fenced, True
-            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and msg.fenced:
+            leg = w.legs[msg.leg]
+            leg.peer_fenced, leg.peer_failed = msg.fenced, True
+            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and w.peer_fenced:
                 self.fenced(room)
         else:
             raise errors.BadMessage(f"a decode daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
 
-    def _confirmed_released(self, link: PrefillLink, room_id: int) -> None:
-        """The prefill has nothing in flight for a failed room no longer in the table
-        (its engine released it): the room's quarantined slot may go."""
-        held = link.unfenced.pop(room_id, None)
-        if held is not None:
-            self._aux().slots.fence(*held, self.clock())
+    def _confirmed_released(self, link: PrefillLink, room_id: int, leg: int) -> None:
+        """A prefill rank has nothing in flight for a failed room no longer in the table
+        (its engine released it): once every rank of it said so, its quarantined slot may go."""
+        key = room_key(room_id, decode_rank_of(leg))
+        held = link.unfenced.get(key)
+        if held is None:
+            return
+        lane, slot, generation, waiting = held
+        waiting = waiting - {leg}
+        if waiting:
+            link.unfenced[key] = (lane, slot, generation, waiting)
+            return
+        del link.unfenced[key]
+        self._fence_released(lane, slot, generation)
+
+    def _fence_released(self, lane: int, slot: int, generation: int) -> None:
+        aux = self.lanes[lane].aux
+        if aux is not None:
+            aux.slots.fence(slot, generation, self.clock())
+
+    def _unfenced_waiting(self, entry) -> bool:
+        """Whether a released room's slot (link.unfenced) is still quarantined for it."""
+        lane, slot, generation, _ = entry
+        aux = self.lanes[lane].aux
+        return aux is not None and aux.slots.slots[slot].generation == generation and aux.slots.slots[slot].state is SlotState.QUARANTINED
 
     def _started(self, room: Room) -> None:
-        self.advance(room, Event.INPUT_READY)
-        self.work[room.id].started = self.clock()
+        """A prefill rank began writing the room (the first of its legs to)."""
+        if room.state is not RoomState.TRANSFERRING:
+            self.advance(room, Event.INPUT_READY)
+        w = self.work[room.id]
+        w.started = w.started or self.clock()
 
-    def _room_of(self, link: PrefillLink, room_id: int) -> Room | None:
-        room = self.rooms.find(room_id)
-        if room is None or room.peer != link.endpoint:
+    def _room_of(self, link: PrefillLink, room_id: int, leg: int) -> Room | None:
+        """The rank's room a leg of ``room_id`` from this link writes into, if it is ours."""
+        room = self.rooms.find(room_key(room_id, decode_rank_of(leg)))
+        if room is None or room.peer != link.endpoint or leg not in self.work[room.id].legs:
             return None
         return room
 
@@ -352,7 +484,7 @@ class DecodeService(RoomService):
             self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
             self.port.send_link(link.endpoint, self.hello())
             return
-        room = self._room_of(link, msg.room) if msg.room else None
+        room = self._room_of(link, msg.room, msg.leg) if msg.room else None
         if room is not None:
             self.fail(room, msg.code, f"prefill side: {msg.message}")
 
@@ -360,7 +492,8 @@ class DecodeService(RoomService):
         log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason, extra={"peer": link.endpoint})
         for room_id in list(link.rooms):
             if room_id in self.work:
-                self.work[room_id].peer_fenced = True  # it refused us: it never wrote
+                for leg in self.work[room_id].legs.values():
+                    leg.peer_fenced = True  # it refused us: it never wrote
         self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
         self.port.close_link(link.endpoint)
@@ -395,93 +528,125 @@ class DecodeService(RoomService):
 
     # --- verification
 
-    def _aux_record(self, link: PrefillLink, room: Room, msg: AuxRecord) -> None:
-        aux = self._aux()
+    def _leg_record(self, link: PrefillLink, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """A prefill rank wrote every KV block of its leg (LegWritten), and for the leg that
+        carries it the aux record after them (AuxRecord)."""
         w = self.work[room.id]
-        w.peer_fenced = True  # the prefill sends aux only after its writes completed
+        leg = w.legs[msg.leg]
+        leg.peer_fenced = True  # the prefill sends these only after its writes completed
         if room.finished:
             return
+        if isinstance(msg, AuxRecord) != leg.request.carries_aux:
+            what = "an aux record" if isinstance(msg, AuxRecord) else "no aux record"
+            self.fail(room, ErrorCode.BAD_MESSAGE, f"prefill rank of leg {msg.leg:#x} sent {what}, but the leg that carries it is another")
+            return
+        if isinstance(msg, AuxRecord) and not self._aux_arrived(room, w, msg):
+            return
+        leg.first_check = self.clock()
+        self._check_landed(link.endpoint, room, msg)
+
+    def _aux_arrived(self, room: Room, w: DecodeWork, msg: AuxRecord) -> bool:
+        """The aux record is aimed at the room's own slot; one that travelled here is
+        checked and written. False when that failed the room."""
+        aux = self._aux(room)
         slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
-        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (msg.room, msg.generation):
-            holder = f"room {slot.room} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
+        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (room.id, msg.generation):
+            holder = f"room {room_of(slot.room)} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
             reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"
             self.fail(room, ErrorCode.AUX_STAMP_MISMATCH, reason)
             victim = self.rooms.find(slot.room) if slot is not None and slot.room != room.id else None
             if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
                 self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
-            return
+            return False
         try:
             if not msg.via_transfer_engine:  # the record carries the aux itself: check it, then write it
                 sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-                verify(sent, slot=msg.slot, expected_room=room.id, expected_generation=room.generation, payload=msg.payload)
+                verify(sent, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation, payload=msg.payload)
                 aux.write(msg.slot, sent, msg.payload)
             if msg.kv:
                 self._land_inline_kv(room, w, msg)
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
-            return
-        w.first_check = self.clock()
-        self._check_landed(link.endpoint, room, msg)
+            return False
+        return True
 
-    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord) -> None:
-        """Check the bytes that landed: the stamp in the slot (when the transfer
+    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """Check the bytes of a leg that landed: the stamp in the slot (when the transfer
         engine wrote it) and the KV digest. A write reported complete may not be
         visible yet (asynchronous paths), so a mismatch is re-checked until
         visibility_grace has passed; never Success before."""
         if room.finished or self.rooms.find(room.id) is not room:
             return
-        aux, w = self._aux(), self.work[room.id]
+        w = self.work[room.id]
+        leg = w.legs[msg.leg]
         try:
-            if msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+            if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+                aux = self._aux(room)
                 sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
                 landed = aux.header(msg.slot)
-                verify(landed, slot=msg.slot, expected_room=room.id, expected_generation=room.generation,
+                verify(landed, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation,
                        payload=aux.payload(msg.slot, landed.length if landed else 0))
                 if landed != sent:
-                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room.id)
-            self._check_digest(room, w, msg)
+                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room_of(room.id))
+            self._check_digest(room, w, leg, msg)
         except PdxferError as exc:
-            waited = self.clock() - w.first_check
+            waited = self.clock() - leg.first_check
             if waited < self.config.visibility_grace:
                 delay = min(self.config.visibility_grace - waited, max(0.001, waited))
                 self.port.later(delay, lambda: self._check_landed(endpoint, room, msg))
                 return
             self.fail(room, exc.code, exc.message)
             return
-        aux.slots.mark_written(msg.slot, msg.generation, self.clock())
-        room.bytes_moved = msg.kv_pages * self._kv().page_bytes + HEADER_BYTES + msg.length
-        self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
-        self.port.send_link(endpoint, RoomAck(room=room.id))
+        nbytes = msg.kv_pages * self._leg_page_bytes(room, leg.request)
+        if isinstance(msg, AuxRecord):
+            self._aux(room).slots.mark_written(msg.slot, msg.generation, self.clock())
+            nbytes += HEADER_BYTES + msg.length
+        leg.landed = True
+        room.bytes_moved += nbytes
+        if all(other.landed for other in w.legs.values()):
+            self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
+            for code, other in w.legs.items():
+                if other.request.real:
+                    self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
+
+    def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
+        """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""
+        kv = self._kv(room)
+        start, end = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        page = sum(r.page_bytes for r in kv.regions if start <= r.layer < end)
+        return page * leg.head_count // kv.spec.heads.local if leg.head_count else page
 
     def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         """Write a small room's KV that came inside its record. The room is live and
         its slot armed for it (checked before), so its pages are still its own, and
         nothing of it can land later: this is the only write."""
-        kv = self._kv()
+        kv = self._kv(room)
         limit = paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes)
         if len(msg.kv) > limit:
-            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room.id, side=errors.Side.PEER)
+            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room_of(room.id), side=errors.Side.PEER)
         self._check_written_pages(room, w, msg)
         if len(msg.kv) != msg.kv_pages * kv.page_bytes:
-            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room.id, side=errors.Side.PEER)
+            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room_of(room.id), side=errors.Side.PEER)
         kv.scatter(w.pages[: msg.kv_pages], msg.kv)
 
     @staticmethod
     def _check_written_pages(room: Room, w: DecodeWork, msg: AuxRecord) -> None:
         if msg.kv_pages > w.pages.size:
-            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room.id)
+            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room_of(room.id))
 
-    def _check_digest(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
-        if not self.config.verify_kv:
+    def _check_digest(self, room: Room, w: DecodeWork, leg: LegState, msg: AuxRecord | LegWritten) -> None:
+        """--verify-kv: the digest of the pages written against the prefill's. Only legs of
+        whole pages carry one: a head or layer slice is not what digest() covers."""
+        if not self.config.verify_kv or not leg.whole:
             return
         if not msg.kv_digested:
-            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH)
+            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH)
         self._check_written_pages(room, w, msg)
-        actual = self._kv().digest(w.pages[: msg.kv_pages])
+        actual = self._kv(room).digest(w.pages[: msg.kv_pages])
         if actual != msg.kv_digest:
             raise PdxferError(
                 f"KV digest {actual:#010x} over {msg.kv_pages} pages does not match the prefill's {msg.kv_digest:#010x}",
-                room=room.id, code=ErrorCode.KV_DIGEST_MISMATCH,
+                room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH,
             )
 
     # --- peer health
@@ -490,7 +655,6 @@ class DecodeService(RoomService):
         super().tick()
         now = self.clock()
         rule = self.heartbeats
-        slots = self.aux.slots.slots if self.aux is not None else []
         stalled = self._stalled(now)
         for link in list(self.links.values()):
             if stalled:  # we were frozen, not they silent: start their clocks again
@@ -498,7 +662,7 @@ class DecodeService(RoomService):
             if not link.rooms and rule.idle(link.last_heard, now):
                 self._forget_link(link)
                 continue
-            link.unfenced = {r: (s, g) for r, (s, g) in link.unfenced.items() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED}
+            link.unfenced = {r: entry for r, entry in link.unfenced.items() if self._unfenced_waiting(entry)}
             if link.connected and rule.due(link.last_beat, now):
                 if rule.missed(link.beats, link.last_beat, link.last_heard):
                     self.heartbeat_misses += 1  # not a word since the last one
@@ -526,44 +690,55 @@ class DecodeService(RoomService):
         if link is None:
             return
         link.connected = event == "connected"
-        if not link.connected and self._live_rooms(link):
-            self.declare_dead(link, f"prefill {endpoint} closed its connection")
+        if not link.connected:
+            link.epoch += 1
+            if self._live_rooms(link):
+                self.declare_dead(link, f"prefill {endpoint} closed its connection")
 
-    def declare_dead(self, link: PrefillLink, reason: str) -> None:
-        """Fail exactly the rooms on this link. The link stays: it reconnects, and a
-        recovered or restarted prefill gets new rooms as usual."""
+    def declare_dead(self, link: PrefillLink, reason: str, before: int | None = None) -> None:
+        """Fail exactly the rooms on this link (those asked for before epoch ``before``,
+        when given). The link stays: it reconnects, and a recovered or restarted prefill
+        gets new rooms as usual."""
         self.count_failure("peers_declared_dead")
-        live = sum(1 for r in link.rooms if (room := self.rooms.find(r)) is not None and not room.finished)
+        rooms = self._link_rooms(link, before)
+        live = sum(1 for room in rooms if not room.finished)
         log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason, extra={"peer": link.endpoint})
         link.last_heard = self.clock()
-        self._fail_link(link, ErrorCode.PEER_DEAD, reason)
+        for room in rooms:
+            self.fail(room, ErrorCode.PEER_DEAD, reason)
 
-    def _restarted(self, link: PrefillLink, incarnation: str) -> None:
+    def _link_rooms(self, link: PrefillLink, before: int | None = None) -> list[Room]:
+        """The link's rooms; with ``before``, those asked for in an earlier epoch."""
+        rooms = [room for r in list(link.rooms) if (room := self.rooms.find(r)) is not None]
+        return rooms if before is None else [room for room in rooms if self.work[room.id].epoch < before]
+
+    def _restarted(self, link: PrefillLink, incarnation: str, on_link: bool = True) -> None:
         """A new process answers at the link's address: the old one is gone, so
-        nothing of it can land any more."""
+        nothing of it can land any more. When it answered on the link, rooms asked for
+        since the connection to the old one was lost went to it (the link says hello
+        first on every new connection): they stay."""
         old = link.incarnation
         link.incarnation, link.ready = incarnation, False
         link.offsets.clear()  # perhaps another host's clock
-        self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})")
-        self._fence_link(link)
+        before = link.epoch if on_link else None
+        self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})", before)
+        self._fence_link(link, before)
         self.port.send_link(link.endpoint, self.hello())
 
-    def _fence_link(self, link: PrefillLink) -> None:
-        """Nothing the link's prefill sent can land any more: its failed rooms, and the
-        slots of those the engine already released, are fenced."""
-        for room_id in list(link.rooms):
-            room = self.rooms.find(room_id)
-            if room is not None:
-                self.fenced(room)
-        for slot, generation in link.unfenced.values():
-            self._aux().slots.fence(slot, generation, self.clock())
+    def _fence_link(self, link: PrefillLink, before: int | None = None) -> None:
+        """Nothing the link's prefill sent can land any more: its failed rooms (those of
+        epochs before ``before``, when given), and the slots of those the engine already
+        released, are fenced."""
+        for room in self._link_rooms(link, before):
+            self.fenced(room)
+        for lane, slot, generation, _ in link.unfenced.values():
+            self._fence_released(lane, slot, generation)
         link.unfenced.clear()
 
     def fence_pending(self, link: PrefillLink) -> int:
         """Failed rooms of this link (released by their engine or not) still waiting
         for proof that nothing of them can land."""
-        slots = self._aux().slots.slots
-        return sum(1 for s, g in link.unfenced.values() if slots[s].generation == g and slots[s].state is SlotState.QUARANTINED)
+        return sum(1 for entry in link.unfenced.values() if self._unfenced_waiting(entry))
 
     def check_cut(self, peer: str) -> list[PrefillLink]:
         """The links an operator's cut names (pdxfer peer P --cut); raises if none."""
@@ -598,20 +773,43 @@ class DecodeService(RoomService):
         w = self.work.get(room.id)
         if w is None:
             return True
-        if not w.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
-            self.port.send_link(w.link, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=True))
+        room_id = room_of(room.id)
+        for code, leg in w.legs.items():
+            if not leg.peer_failed:  # the prefill must learn it: it waits for an ack, or its engine's send() would
+                self.port.send_link(w.link, RoomFailed(room=room_id, code=room.code, reason=room.reason, fenced=True, leg=code))
         link = self.links.get(w.link)
-        held = link.held.pop(room.id, None) if link is not None else None
-        if held is not None:
-            self.never_sent(room, held)
+        if link is not None:
+            self._withdraw(link, room)
         if w.peer_fenced:
             return True
-        # Its RoomFailed(fenced) reply, its restart, or a cut fences us; nothing else.
+        # Its RoomFailed(fenced) replies, its restart, or a cut fences us; nothing else.
         if link is not None and room.slot >= 0:
-            link.unfenced[room.id] = (room.slot, room.generation)
+            waiting = frozenset(code for code, leg in w.legs.items() if not leg.peer_fenced)
+            link.unfenced[room.id] = (room.lane, room.slot, room.generation, waiting)
         log.warning("room %d: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
-                    room.id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room.id, "peer": w.link})
+                    room_id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room_id, "peer": w.link})
         return False
+
+    def _withdraw(self, link: PrefillLink, room: Room) -> None:
+        """The room's legs leave the request not sent yet (gathering, or held for the
+        link's clock): the prefill never hears of them, so nothing of them can land."""
+        room_id = room_of(room.id)
+        pending = self.pending.get((link.endpoint, room_id))
+        if pending is not None:
+            mine = [leg for leg in pending.legs if leg.lane == room.lane]
+            pending.legs = [leg for leg in pending.legs if leg.lane != room.lane]
+            if mine:
+                self.never_sent(room, RoomRequest(room=room_id, legs=tuple(mine)))
+        held = link.held.get(room_id)
+        if held is not None:
+            mine = tuple(leg for leg in held.legs if leg.lane == room.lane)
+            rest = tuple(leg for leg in held.legs if leg.lane != room.lane)
+            if rest:
+                link.held[room_id] = msgspec.structs.replace(held, legs=rest)
+            else:
+                del link.held[room_id]
+            if mine:
+                self.never_sent(room, msgspec.structs.replace(held, legs=mine))
 
     def still_wanted(self, payload: bytes) -> bool:
         """For a link that connects: whether a message posted while it was down still
@@ -621,22 +819,39 @@ class DecodeService(RoomService):
         msg = self.codec.peer_messages.decode(payload)
         if not isinstance(msg, RoomRequest):
             return True
-        room = self.rooms.find(msg.room)
-        if room is not None and not room.finished:
+        rooms = self.rooms_of_message(msg)
+        if any(not room.finished for room in rooms):
             return True
-        if room is not None:
+        for room in rooms:
             self.never_sent(room, msg)
             self.fenced(room)
         return False
 
     def never_sent(self, room: Room, msg: Message) -> None:
         w = self.work.get(room.id)
-        if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of the room: nothing to tell, nothing can land
-            w.peer_failed = w.peer_fenced = True
+        if w is not None and isinstance(msg, RoomRequest):  # the prefill never heard of these legs: nothing to tell, nothing can land
+            for request in msg.legs:
+                leg = w.legs.get(request.leg) if request.lane == room.lane else None
+                if leg is not None:
+                    leg.peer_failed = leg.peer_fenced = True
+
+    def rooms_of_message(self, msg: Message) -> list[Room]:
+        if isinstance(msg, RoomRequest):
+            keys = {room_key(msg.room, decode_rank_of(leg.leg)) for leg in msg.legs}
+        elif isinstance(msg, RoomFailed):
+            keys = {room_key(msg.room, decode_rank_of(msg.leg))}
+        else:
+            return []
+        return [room for key in keys if (room := self.rooms.find(key)) is not None]
 
     def engine_of(self, room: Room) -> bytes:
         w = self.work.get(room.id)
         return w.engine if w else b""
+
+    def disown(self, room: Room) -> None:
+        w = self.work.get(room.id)
+        if w is not None:
+            w.engine = b""
 
     def room_memory_version(self, room: Room) -> int:
         w = self.work.get(room.id)
@@ -667,7 +882,7 @@ class DecodeService(RoomService):
             return  # not ours, or already talking to its successor
         successor = self.port.incarnation_of(record.name)
         if successor and successor != record.incarnation:
-            self._restarted(link, successor)  # the old process is gone: fence at once
+            self._restarted(link, successor, on_link=False)  # the old process is gone: fence at once
         elif link.rooms:
             self.declare_dead(link, f"prefill {record.name}: {reason}")
 

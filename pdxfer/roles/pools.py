@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import Unsupported
+from ..core import errors
 from ..core.plan import canonical, compat_of, region_addresses
-from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle
+from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, Rank
+from ..core.topology import rank_code
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
@@ -119,6 +121,43 @@ class MappedAux:
     def clear_header(self, index: int) -> None:
         start = self._at(index)
         self.memory.array[start : start + HEADER_BYTES] = 0
+
+
+@dataclass(eq=False)
+class Lane:
+    """One rank of one engine on this daemon (A1): its KV cache, its aux buffer and its
+    slots. A daemon keeps a lane per (engine, rank) for its life; an engine that
+    connects again under the same name and rank (a restart) finds its lane and
+    registers anew. Rooms of a rank are keyed by topology.room_key(room, code)."""
+
+    index: int  # named by peers (protocol.LaneInfo, LegRequest.lane)
+    engine_id: str
+    rank: Rank
+    sizes: Rank
+    kv: MappedKV | None = None
+    aux: MappedAux | None = None
+
+    def __post_init__(self) -> None:
+        self.code = rank_code(self.rank.pp, self.rank.tp)
+
+    @property
+    def name(self) -> str:
+        who = self.engine_id or "engine"
+        return f"{who} rank pp={self.rank.pp} tp={self.rank.tp}" if self.code else who
+
+    @property
+    def ready(self) -> bool:
+        return self.kv is not None and self.aux is not None
+
+    def registered_kv(self) -> MappedKV:
+        if self.kv is None:
+            raise errors.NotRegistered(f"{self.name} has not registered its KV pool")
+        return self.kv
+
+    def registered_aux(self) -> MappedAux:
+        if self.aux is None:
+            raise errors.NotRegistered(f"{self.name} has not registered its aux buffer")
+        return self.aux
 
 
 def compat(kv: MappedKV, aux: MappedAux) -> Compat:

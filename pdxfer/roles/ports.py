@@ -52,6 +52,10 @@ class Port(Protocol):
         """The room table moved ``room`` out of ``left`` (None: created) at ``now``:
         metrics and logs. Runs on every transition, so it is cheap."""
 
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        """Tell the role (engine_gone) when the process behind an engine connection
+        exits, where this host can see it."""
+
 
 class PrefillPort(Port, Protocol):
     """A prefill daemon answers decode daemons and writes into them."""
@@ -64,6 +68,10 @@ class PrefillPort(Port, Protocol):
 
     def cancel(self, job: Job) -> None:
         """Submit no more of ``job``; its ``on_done`` still waits for what is in flight."""
+
+    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        """Call ``done("")`` once the CUDA event ``handle`` (an IPC handle from the engine)
+        completed, or ``done(reason)`` when it cannot be opened or waited on."""
 
 
 class DecodePort(Port, Protocol):

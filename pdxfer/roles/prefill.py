@@ -24,11 +24,13 @@ writer's destination after a bound of its own.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import zlib
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from ..core import errors, paths
@@ -45,6 +47,7 @@ from ..core.plan import (
     chunk_pages,
     pages_from_bytes,
     plan_blocks,
+    plan_leg_blocks,
 )
 from ..core.protocol import (
     UNDECODABLE,
@@ -54,6 +57,10 @@ from ..core.protocol import (
     ErrorCode,
     Heartbeat,
     HeartbeatAck,
+    KVRegion,
+    LaneInfo,
+    LegRequest,
+    LegWritten,
     Message,
     Ok,
     PeerError,
@@ -67,13 +74,15 @@ from ..core.protocol import (
     RoomFailed,
     RoomRequest,
     RoomState,
+    RoomStatus,
     Send,
     TransferStarted,
     compat_diff,
-    compat_hash,
+    tag_of,
 )
 from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
+from ..core.topology import decode_rank_of, fan_key, prefill_rank_of, room_key, room_of
 from ..transport import Job, Peer, label, primary
 from .base import RoomService
 from .pools import compat
@@ -91,10 +100,18 @@ class DecodePeer:
     identity: bytes
     hello: PeerHello
     last_heard: float
+    lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index (from hello)
     rooms: set[int] = field(default_factory=set)
     draining: bool = False
     skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
     writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
+
+    def __post_init__(self) -> None:
+        self.said(self.hello)
+
+    def said(self, hello: PeerHello) -> None:
+        """Its latest hello: where each of its ranks' memory is now."""
+        self.hello, self.lanes = hello, {lane.index: lane for lane in hello.lanes}
 
     @property
     def label(self) -> str:
@@ -107,9 +124,22 @@ class DecodePeer:
 
 
 @dataclass(eq=False)
+class Chunk:
+    """A piece of a room's input as the engine handed it over (send)."""
+
+    first_page: int
+    pages: np.ndarray
+    last: bool
+    num_tokens: int
+    aux_bytes: int
+    release_when_settled: bool
+    waiting: bool = False  # for its CUDA event: the work that writes its pages has not completed yet
+
+
+@dataclass(eq=False)
 class PrefillWork:
     engine: bytes = b""  # the engine connection that announced or sent the room
-    chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, source pages) not written yet
+    chunks: list[Chunk] = field(default_factory=list)  # handed over, not written yet
     first: int = -1  # the first chunk's first position (-1: no chunk yet)
     end: int = 0  # where the chunks handed over so far end
     last: bool = False  # the last chunk is in
@@ -117,7 +147,8 @@ class PrefillWork:
     aux_bytes: int = 0
     memory_version: int = 0
     peer: bytes = b""  # identity of the decode daemon, once its request arrived
-    request: RoomRequest | None = None
+    request: LegRequest | None = None  # this rank's leg of the room request
+    lease_ms: int = 0  # the request's lease
     dst_pages: np.ndarray | None = None
     started: bool = False  # both halves were in and checked: chunks are written as they come
     kept: list[np.ndarray] = field(default_factory=list)  # source pages written (positions the decode skips dropped), in order
@@ -126,13 +157,27 @@ class PrefillWork:
     # writes may still land) until the transfer engines are closed (transport_closed).
     jobs: set[Job] = field(default_factory=set)
     job: Job | None = None  # the aux record's write, likewise
+    aux_slot: int = -1  # the engine's aux slot the record is read from (a fan-out room's is its first room's)
+    handed: list[Chunk] = field(default_factory=list)  # every chunk handed over, for a fan-out room made later
+    fans: list[int] = field(default_factory=list)  # the first room of a prefill rank: its fan-out rooms' keys
+    first_room: int = 0  # a fan-out room: its first room's key
     aux_sent: bool = False
     lease_end: float = 0.0
     digest: int | None = None
 
+    @property
+    def leg(self) -> int:
+        """The leg code of the room's request (0 before it came)."""
+        return self.request.leg if self.request is not None else 0
+
     def source_pages(self) -> np.ndarray:
         """Every source page written, in the order of the destination pages they went to."""
         return np.concatenate(self.kept) if self.kept else np.zeros(0, np.int32)
+
+
+def _whole(leg: LegRequest) -> bool:
+    """Whole pages of every layer: equal TP and PP on both sides."""
+    return leg.head_count == 0 and leg.layers == (0, 0)
 
 
 class PrefillService(RoomService):
@@ -152,33 +197,36 @@ class PrefillService(RoomService):
     # --- engine side
 
     def on_send(self, identity: bytes, msg: Send) -> Message:
-        kv, aux = self._kv(), self._aux()
+        lane = self.lane_for(identity)
+        kv, aux = lane.registered_kv(), lane.registered_aux()
         try:
             src = pages_from_bytes(msg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room) from None
         check_pages(src, kv.num_pages, "source", msg.room)
-        self.check_local_version(msg.memory_version, msg.room)
+        self.check_local_version(lane, msg.memory_version, msg.room)
+        key = room_key(msg.room, lane.code)
         if msg.last:
             check_source(msg.num_tokens, msg.first_page + src.size, kv.spec.page_size, msg.room)
             if msg.generation < 1:
                 raise errors.BadMessage(f"the last chunk of room {msg.room} carries its aux slot: send() it with slot=", room=msg.room)
             if msg.aux_bytes > aux.payload_bytes:
                 raise errors.InsufficientCapacity(f"aux record of {msg.aux_bytes} bytes exceeds the slot payload of {aux.payload_bytes}", room=msg.room)
-        room, w = self.rooms.find(msg.room), self.work.get(msg.room)
+        room, w = self.rooms.find(key), self.work.get(key)
         if room is not None and w is not None and w.last:
             raise errors.DuplicateRoom(f"send() for room {msg.room} came after its last chunk", room=msg.room)
         if room is not None and room.finished:
             raise PdxferError(f"room {msg.room} already failed before send(): {room.reason}", room=msg.room, code=room.code)
-        if room is None and msg.room in self.finished:
-            state, code, reason = self.finished[msg.room]
+        if room is None and key in self.finished:
+            state, code, reason = self.finished[key]
             raise PdxferError(f"room {msg.room} already {state.value} before send(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
         if w is not None and w.first >= 0 and msg.first_page != w.end:
             raise errors.BadMessage(f"a chunk of room {msg.room} starts at position {msg.first_page}, but the chunks before it end at {w.end}: chunks come in order, without gaps", room=msg.room)
         created = room is None
         if created:
-            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            room = self.rooms.create(key, Role.PREFILL, self.clock())
             self.work[room.id] = w = PrefillWork()
+        self._owned_by(room, lane)
         if msg.last:
             try:
                 self.bind_slot(room, msg.slot, msg.generation)
@@ -187,34 +235,78 @@ class PrefillService(RoomService):
                     self.rooms.remove(room.id)
                     self.work.pop(room.id, None)
                 raise
-            w.last, w.num_tokens, w.aux_bytes = True, msg.num_tokens, msg.aux_bytes
-            room.release_when_settled = msg.release_when_settled
+            for part in self._group(room):
+                self.work[part.id].aux_slot = msg.slot
+        chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled, waiting=bool(msg.cuda_event))
+        if msg.cuda_event:
+            self.port.after_event(msg.cuda_event, lambda error: self._event_done(room.id, chunk, error))
         w.engine, w.memory_version = identity, msg.memory_version
+        self._hand_over(room, w, chunk)
+        for fan in self._fans(room):
+            self._hand_over(fan, self.work[fan.id], chunk)
+        return Ok(req=msg.req)
+
+    def _owned_by(self, room: Room, lane) -> None:
+        """The engine rank that announces or sends the room owns it, and its parts: a room
+        a request made first only guessed its lane (the rank may not have registered)."""
+        for part in self._group(room):
+            part.lane = lane.index
+
+    @staticmethod
+    def _take(room: Room, w: PrefillWork, chunk: Chunk) -> None:
+        if chunk.last:
+            w.last, w.num_tokens, w.aux_bytes = True, chunk.num_tokens, chunk.aux_bytes
+            room.release_when_settled = chunk.release_when_settled
         if w.first < 0:
-            w.first = msg.first_page
-        w.end = msg.first_page + src.size
-        w.chunks.append((msg.first_page, src.copy()))
+            w.first = chunk.first_page
+        w.end = chunk.first_page + chunk.pages.size
+        w.chunks.append(chunk)
+        w.handed.append(chunk)
+
+    def _event_done(self, key: int, chunk: Chunk, error: str) -> None:
+        """A chunk's CUDA event completed (its pages hold their KV now), or cannot be waited on."""
+        chunk.waiting = False
+        room = self.rooms.find(key)
+        if room is None:
+            return
+        for part in self._group(room):
+            w = self.work[part.id]
+            if part.finished or chunk not in w.chunks:
+                continue
+            if error:
+                self.fail(part, ErrorCode.TRANSFER_FAILED, f"the CUDA event of the chunk at position {chunk.first_page}: {error}")
+            elif w.started:
+                self._write_chunks(part, w)
+
+    def _hand_over(self, room: Room, w: PrefillWork, chunk: Chunk) -> None:
+        """A chunk of the room's input: written at once if the room has started, else it
+        may start the room now."""
+        if room.finished:
+            return
+        self._take(room, w, chunk)
         if w.started:
             self._write_chunks(room, w)
         else:
             self.advance(room, Event.INPUT_READY)
             if room.state is RoomState.TRANSFERRING:
-                self._start(room, w, announce=TransferStarted(room=room.id))
-        return Ok(req=msg.req)
+                self._start(room, w, announce=TransferStarted(room=room_of(room.id), leg=w.leg))
 
     def on_announce(self, identity: bytes, msg: Announce) -> Message:
         """The engine will send this room: it hears the room's status when the decode's
         request comes (waiting_for_input, with its pages), now if it came already."""
-        room = self.rooms.find(msg.room)
-        if room is None and msg.room in self.finished:
-            state, code, reason = self.finished[msg.room]
+        lane = self.lane_for(identity)
+        key = room_key(msg.room, lane.code)
+        room = self.rooms.find(key)
+        if room is None and key in self.finished:
+            state, code, reason = self.finished[key]
             raise PdxferError(f"room {msg.room} already {state.value} before announce(): {reason}", room=msg.room, code=code or ErrorCode.DUPLICATE_ROOM)
         if room is None:
-            room = self.rooms.create(msg.room, Role.PREFILL, self.clock())
+            room = self.rooms.create(key, Role.PREFILL, self.clock())
             self.work[room.id] = PrefillWork()
-        w = self.work[room.id]
-        w.engine = identity
-        if room.finished or w.request is not None:
+        self._owned_by(room, lane)
+        for part in self._group(room):
+            self.work[part.id].engine = identity
+        if room.finished or self.work[room.id].request is not None:
             self.push(room, identity)
         return Ok(req=msg.req)
 
@@ -229,7 +321,8 @@ class PrefillService(RoomService):
         except UNDECODABLE as exc:
             self.port.send_peer(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
             return
-        if self.kv is None or self.aux is None:
+        self.peer_messages[tag_of(msg)] += 1
+        if not any(lane.ready for lane in self.lanes):
             self._hold(identity, incarnation, raw)
             return
         try:
@@ -289,7 +382,7 @@ class PrefillService(RoomService):
         self._early_bytes += len(raw)
 
     def on_kv_registered(self) -> None:
-        if self.kv is not None and self.aux is not None:
+        if any(lane.ready for lane in self.lanes):
             self._early_bytes = 0
             while self._early:
                 self.on_peer(*self._early.popleft())
@@ -309,11 +402,10 @@ class PrefillService(RoomService):
             self.port.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
             log.warning("refused decode daemon %s: %s", hello.session, reason, extra={"peer": hello.session})
             return
-        ours = compat(self.kv, self.aux)
-        if hello.compat_hash != compat_hash(ours) or hello.compat != ours:
-            diff = "; ".join(compat_diff(ours, hello.compat)) or f"compat hash {hello.compat_hash} != {compat_hash(ours)}"
-            self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=f"incompatible KV layout: {diff}"))
-            log.warning("refused decode daemon %s: incompatible KV layout: %s", hello.session, diff, extra={"peer": hello.session})
+        refusal = self._page_size_refusal(hello)
+        if refusal:
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=refusal))
+            log.warning("refused decode daemon %s: %s", hello.session, refusal, extra={"peer": hello.session})
             return
         peer = self.peers.get(identity)
         if peer is None:
@@ -322,34 +414,80 @@ class PrefillService(RoomService):
             self.peers[identity] = peer = DecodePeer(identity, hello, self.clock())
             log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation, extra={"peer": hello.session})
         else:
-            old, peer.hello = peer.hello, hello
-            if hello.memory_version != old.memory_version:
-                self._peer_relocated(peer, old.memory_version)
+            old = peer.hello
+            peer.said(hello)
+            moved = {lane.index: lane.memory_version for lane in old.lanes} != {lane.index: lane.memory_version for lane in hello.lanes}
+            if moved:
+                self._peer_relocated(peer, old)
         self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
 
-    def _peer_relocated(self, peer: DecodePeer, old_version: int) -> None:
-        """C3: rooms whose blocks were planned against the old destination fail."""
+    def _page_size_refusal(self, hello: PeerHello) -> str:
+        """A9: pages are moved whole, so a decode rank whose page size no rank here has
+        is refused at the handshake, naming both (the other fields are checked per leg)."""
+        ours = sorted({lane.kv.spec.page_size for lane in self.lanes if lane.ready})
+        theirs = sorted({lane.compat.page_size for lane in hello.lanes if lane.compat.page_size not in ours})
+        if not ours or not theirs:
+            return ""
+        return (f"incompatible KV layout: page_size: prefill={ours[0] if len(ours) == 1 else ours!r} decode={theirs[0] if len(theirs) == 1 else theirs!r}: "
+                "pdxfer moves whole pages; run both sides with the same page size")
+
+    def _peer_relocated(self, peer: DecodePeer, old: PeerHello) -> None:
+        """C3: rooms whose blocks were planned against a destination lane's old memory fail."""
+        before = {lane.index: lane.memory_version for lane in old.lanes}
         for room_id in list(peer.rooms):
             room, w = self.rooms.find(room_id), self.work.get(room_id)
-            if room is not None and w is not None and not room.finished and w.request.memory_version != peer.hello.memory_version:
-                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"the decode engine re-registered its KV pool (memory version {old_version} -> {peer.hello.memory_version})")
+            if room is None or w is None or room.finished:
+                continue
+            lane = peer.lanes.get(w.request.lane)
+            now = lane.memory_version if lane is not None else 0
+            if w.request.memory_version != now:
+                self.fail(room, ErrorCode.STALE_MEMORY_VERSION, f"the decode engine re-registered its KV pool (memory version {before.get(w.request.lane, 0)} -> {now})")
 
     def _request(self, peer: DecodePeer, msg: RoomRequest) -> None:
-        room = self.rooms.find(msg.room)
-        w = self.work.get(msg.room)
-        if room is None and msg.room in self.finished:
-            state, code, reason = self.finished[msg.room]
-            why = f"the prefill engine already finished this room ({state.value}{': ' + reason if reason else ''})"
-            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=code or ErrorCode.UNKNOWN_ROOM, reason=why, fenced=True))
+        """A decode daemon's request for a room: one leg per (local prefill rank, its
+        decode rank). It is answered once (A5): room_accepted, input_ready when every
+        leg's rank has handed over its input; a leg refused is answered on its own."""
+        taken: list[tuple[Room, PrefillWork]] = []
+        for leg in msg.legs:
+            try:
+                taken += self._leg(peer, msg, leg)
+            except PdxferError as exc:
+                self.port.send_peer(peer.identity, PeerError(code=exc.code, message=exc.message, room=msg.room, leg=leg.leg))
+        if not taken:
             return
+        ready = [(room, w) for room, w in taken if room.state is RoomState.TRANSFERRING]
+        accept = RoomAccepted(room=msg.room, input_ready=len(ready) == len(taken), legs=tuple(w.leg for _, w in taken))
+        if len(taken) == 1 and ready:  # _start sends it, or an aux record that implies it
+            self._start(*ready[0], announce=accept)
+            return
+        self.port.send_peer(peer.identity, accept)
+        for room, w in ready:
+            self._start(room, w, announce=None)
+
+    def _leg(self, peer: DecodePeer, msg: RoomRequest, leg: LegRequest) -> list[tuple[Room, PrefillWork]]:
+        """Take one leg of a request: the room of its prefill rank, bootstrapped. Returns
+        it, or nothing when the room had already finished (the decode side is told)."""
+        key = room_key(msg.room, prefill_rank_of(leg.leg))
+        room, w = self.rooms.find(key), self.work.get(key)
+        if room is None and key in self.finished:
+            state, code, reason = self.finished[key]
+            why = f"the prefill engine already finished this room ({state.value}{': ' + reason if reason else ''})"
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=code or ErrorCode.UNKNOWN_ROOM, reason=why, fenced=True, leg=leg.leg))
+            return []
         if room is not None and room.finished and not (w and w.peer):
             # Failed before the decode side showed up: tell it, with nothing in flight.
-            self.port.send_peer(peer.identity, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
-            return
-        if room is not None and (room.finished or (w and w.peer)):
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=leg.leg))
+            return []
+        # A part that succeeded already may have siblings still to come (its request's fan_out).
+        fan_out = room is not None and room.state is not RoomState.FAILED and w is not None and w.request is not None \
+            and decode_rank_of(w.request.leg) != decode_rank_of(leg.leg)
+        if fan_out:  # this prefill rank writes to another decode rank too: a room of its own for it
+            first, key = room, fan_key(msg.room, leg.leg)
+            room, w = self.rooms.find(key), self.work.get(key)
+        if room is not None and (room.finished or (w and w.peer)) or key in self.finished:
             raise errors.DuplicateRoom(f"room {msg.room} was already requested", room=msg.room, side=errors.Side.PEER)
         try:
-            dst = pages_from_bytes(msg.pages)
+            dst = pages_from_bytes(leg.pages)
         except ValueError as exc:
             raise errors.BadMessage(str(exc), room=msg.room, side=errors.Side.PEER) from None
         if peer.draining or self.draining:
@@ -358,37 +496,62 @@ class PrefillService(RoomService):
         if len(peer.rooms) >= self.config.max_rooms_per_peer:
             raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
         if room is None:
-            room = self.rooms.create(msg.room, Role.PREFILL, self.clock(), peer=peer.label)
+            room = self.rooms.create(key, Role.PREFILL, self.clock(), peer=peer.label)
+            # Its rank's lane if registered (its announce or send names the right one: _owned_by).
+            room.lane = next((lane.index for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), 0)
             self.work[room.id] = PrefillWork()
         w = self.work[room.id]
-        w.peer, w.request, w.dst_pages = peer.identity, msg, dst.copy()
+        w.peer, w.request, w.dst_pages, w.lease_ms = peer.identity, leg, dst.copy(), msg.lease_ms
         room.peer = peer.label
         peer.rooms.add(room.id)
         self.advance(room, Event.BOOTSTRAPPED)
-        if room.state is RoomState.TRANSFERRING:
-            self._start(room, w, announce=RoomAccepted(room=room.id, input_ready=True))
-        else:
-            self.port.send_peer(peer.identity, RoomAccepted(room=room.id, input_ready=False))
+        if fan_out:
+            self._fan(first, room, w)
+        return [(room, w)]
 
-    def _start(self, room: Room, w: PrefillWork, announce: Message) -> None:
+    def _fan(self, first: Room, room: Room, w: PrefillWork) -> None:
+        """A fan-out room takes its first room's engine and every chunk handed over so far."""
+        head = self.work[first.id]
+        head.fans.append(room.id)
+        room.lane, w.first_room = first.lane, first.id
+        w.engine, w.memory_version, w.aux_slot = head.engine, head.memory_version, head.aux_slot
+        for chunk in head.handed:
+            self._take(room, w, chunk)
+        if head.handed:
+            self.advance(room, Event.INPUT_READY)
+
+    def _fans(self, room: Room) -> list[Room]:
+        w = self.work.get(room.id)
+        return [fan for key in (w.fans if w is not None else ()) if (fan := self.rooms.find(key)) is not None]
+
+    def _group(self, room: Room) -> list[Room]:
+        """A prefill rank's parts of a room: its first, and its fan-out rooms."""
+        w = self.work.get(room.id)
+        first = self.rooms.find(w.first_room) if w is not None and w.first_room else room
+        return [first, *self._fans(first)] if first is not None else [room]
+
+    def _leg_key(self, room_id: int, leg: int) -> int:
+        """The room-table key of the prefill part a decode daemon's message about a leg is for."""
+        key = room_key(room_id, prefill_rank_of(leg))
+        w = self.work.get(key)
+        return fan_key(room_id, leg) if w is not None and w.request is not None and w.request.leg != leg else key
+
+    def _start(self, room: Room, w: PrefillWork, announce: Message | None) -> None:
         """Both halves are in: check everything, then write the chunks handed over so far
         (and later ones as they come). ``announce`` tells the decode side writes begin
-        (room_accepted, or transfer_started when our input came later). An inline room's
-        aux record, sent at once, tells it instead, and a failed room's room_failed: one
-        message fewer for every small room."""
-        kv = self._kv()
+        (room_accepted, or transfer_started when our input came later; None when the
+        request's answer went already). An inline room's aux record, sent at once,
+        tells it instead, and a failed room's room_failed: one message fewer for every
+        small room."""
+        kv = self._kv(room)
         peer = self.peers.get(w.peer)
         req = w.request
         try:
             if peer is None:
-                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room.id)
-            dst_hello = peer.hello
-            check_memory_version(req.memory_version, dst_hello.memory_version, "destination", room.id)
-            check_pages(w.dst_pages, dst_hello.num_pages, "destination", room.id)
-            if req.slot >= dst_hello.aux_slots:
-                raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{dst_hello.aux_slots - 1}", room=room.id)
-            check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room.id)
-            inline = self._inline(room, w, kv, dst_hello)
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
+            self._destination(room, w, peer)
+            check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room_of(room.id))
+            inline = self._inline(room, w, kv, peer.hello) if req.real and _whole(req) else None
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
@@ -403,22 +566,42 @@ class PrefillService(RoomService):
             self._send_aux(room, w, kv.gather(kept))
             return
         now, leave = self.clock(), peer.writes_until or math.inf
-        if now >= leave:
+        if now >= leave and req.real:
             self.fail(room, ErrorCode.LEASE_EXPIRED, (
                 f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
                 "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
             return
-        self.port.send_peer(w.peer, announce)
-        w.lease_end = min(now + self._lease(req), leave)
+        if announce is not None:
+            self.port.send_peer(w.peer, announce)
+        w.lease_end = min(now + self._lease(w), leave)
         self._write_chunks(room, w)
+
+    def _destination(self, room: Room, w: PrefillWork, peer: DecodePeer) -> LaneInfo:
+        """The decode rank's memory the leg writes into, checked against the leg (C2, C3)
+        and against our own layout."""
+        req, room_id = w.request, room_of(room.id)
+        lane = peer.lanes.get(req.lane)
+        if lane is None:
+            raise errors.BadMessage(f"the decode daemon's request names its lane {req.lane}, which its hello does not list", room=room_id, side=errors.Side.PEER)
+        check_memory_version(req.memory_version, lane.memory_version, "destination", room_id)
+        check_pages(w.dst_pages, lane.num_pages, "destination", room_id)
+        if req.carries_aux and req.slot >= lane.aux_slots:
+            raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
+        ours, theirs = compat(self._kv(room), self._aux(room)), lane.compat
+        if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
+            ours, theirs = msgspec.structs.replace(ours, regions=()), msgspec.structs.replace(theirs, regions=())
+        diff = compat_diff(ours, theirs)
+        if diff:
+            raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
+        return lane
 
     def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
         """A room handed over in one chunk whose KV is small enough to ride its aux record:
         its source pages (checked, as the last chunk's are) and their bytes; else None. A
         chunked room is written as it comes."""
-        if not (w.last and len(w.chunks) == 1):
+        if not (w.last and len(w.chunks) == 1) or w.chunks[0].waiting:
             return None
-        kept, _ = chunk_pages(*w.chunks[0], w.request.skip_pages, w.dst_pages, room.id)
+        kept, _ = chunk_pages(w.chunks[0].first_page, w.chunks[0].pages, w.request.skip_pages, w.dst_pages, room_of(room.id))
         nbytes = kept.size * kv.page_bytes
         if not paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes):
             return None
@@ -428,51 +611,69 @@ class PrefillService(RoomService):
     def _check_end(self, room: Room, w: PrefillWork) -> None:
         """The last chunk is in: the positions match the decode's, and C1."""
         req = w.request
-        check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, True, room.id)
+        check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, True, room_of(room.id))
         self._check_capacity(room, w)
 
     def _check_capacity(self, room: Room, w: PrefillWork) -> None:
         """C1, once the token count is known (the last chunk): the decode's pages hold the
         tokens after its prefix, and its draft tokens."""
-        req, page_size = w.request, self._kv().spec.page_size
-        check_capacity(w.num_tokens - req.skip_pages * page_size, req.num_draft_tokens, w.dst_pages.size, page_size, room.id)
+        req, page_size = w.request, self._kv(room).spec.page_size
+        check_capacity(w.num_tokens - req.skip_pages * page_size, req.num_draft_tokens, w.dst_pages.size, page_size, room_of(room.id))
 
     def _write_chunks(self, room: Room, w: PrefillWork) -> None:
         """Plan and submit the chunks handed over and not written yet; once the last
         chunk's writes all completed, the aux record follows (_kv_written)."""
-        kv, req, peer = self._kv(), w.request, self.peers.get(w.peer)
+        req, peer = w.request, self.peers.get(w.peer)
         try:
             if peer is None:
-                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room.id)
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
             if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
                 self._check_end(room, w)
-            planned = [chunk_pages(first, src, req.skip_pages, w.dst_pages, room.id) for first, src in w.chunks]
+            ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
+            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, w.dst_pages, room_of(room.id)) for chunk in ready]
+            blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
-        w.chunks.clear()
-        if w.last:  # the room is whole: its aux record is planned too
+        del w.chunks[: len(ready)]
+        if not req.real:  # a dummy leg: this rank's part is over once its input is
+            if w.last:
+                self.succeed(room, Event.DONE)
+            return
+        if w.last and req.carries_aux:  # the room is whole: its aux record is planned too
             room.bytes_planned += HEADER_BYTES + w.aux_bytes
-        for kept, dst in planned:
+        for (kept, _), planned_blocks in zip(planned, blocks):
             w.kept.append(kept)
             w.written += kept.size
-            room.bytes_planned += kept.size * kv.page_bytes
-            if kept.size:
-                job = Job(room.id, peer.sessions, plan_blocks(kv.regions, kv.bases, peer.hello.region_bases, kept, dst),
-                          self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+            if planned_blocks is not None:
+                room.bytes_planned += planned_blocks.nbytes
+                job = Job(room.id, peer.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
                 w.jobs.add(job)
                 self.port.submit(job)
         self._aux_when_written(room, w)
+
+    def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
+        """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8)."""
+        kv, req = self._kv(room), w.request
+        lane = peer.lanes[req.lane]
+        if _whole(req):
+            return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst)
+        theirs = tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
+                       for layer, kind, page_bytes in lane.compat.regions)
+        layers = req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
+        return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
+                               kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst)
 
     def _aux_when_written(self, room: Room, w: PrefillWork) -> None:
         if w.last and not w.jobs and not w.chunks and not w.aux_sent and not room.finished:
             self._send_aux(room, w)
 
-    def _lease(self, req: RoomRequest) -> float:
+    def _lease(self, w: PrefillWork) -> float:
         """Seconds this room may keep submitting writes: our transfer timeout, or the
         decode side's if shorter (it releases the destination on that basis)."""
         own = self.config.transfer_timeout
-        return min(own, req.lease_ms / 1000) if req.lease_ms else own
+        return min(own, w.lease_ms / 1000) if w.lease_ms else own
 
     def _kv_written(self, job: Job) -> None:
         room, w = self.rooms.find(job.id), self.work.get(job.id)
@@ -492,28 +693,34 @@ class PrefillService(RoomService):
     def _send_aux(self, room: Room, w: PrefillWork, kv: bytes = b"") -> None:
         """Every KV block is written, or ``kv`` carries the room's KV: the aux goes (A3)."""
         w.aux_sent = True
-        aux, peer, req = self._aux(), self.peers.get(w.peer), w.request
+        aux, peer, req = self._aux(room), self.peers.get(w.peer), w.request
         if peer is None:
             self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
             return
-        if peer.hello.verify_kv or self.config.verify_kv:  # of inline KV, without gathering it again
-            w.digest = zlib.crc32(kv) if kv else self._kv().digest(w.source_pages())
-        payload = aux.payload(room.slot, w.aux_bytes)
-        stamp = stamp_for(room.id, req.generation, payload)
-        if self.aux_path is paths.AuxPath.TCP:
+        if (peer.hello.verify_kv or self.config.verify_kv) and _whole(req):  # of inline KV, without gathering it again
+            w.digest = zlib.crc32(kv) if kv else self._kv(room).digest(w.source_pages())
+        if not req.carries_aux:  # another leg carries the room's aux record to this decode rank
+            self.port.send_peer(w.peer, LegWritten(room=room_of(room.id), leg=req.leg, kv_pages=w.written,
+                                                   kv_digested=w.digest is not None, kv_digest=w.digest or 0))
+            return
+        payload = aux.payload(w.aux_slot, w.aux_bytes)
+        stamp = stamp_for(room_of(room.id), req.generation, payload)
+        # A fan-out room's record travels here: the slot's header is its first room's to write.
+        if self.aux_path is paths.AuxPath.TCP or w.first_room:
             self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
             return
-        aux.write_header(room.slot, stamp)
-        dst = peer.hello.aux_base + req.slot * peer.hello.compat.aux_slot_bytes
-        blocks = Blocks.of([aux.slot_address(room.slot)], [dst], [HEADER_BYTES + len(payload)])
+        aux.write_header(w.aux_slot, stamp)
+        lane = peer.lanes[req.lane]
+        dst = lane.aux_base + req.slot * lane.compat.aux_slot_bytes
+        blocks = Blocks.of([aux.slot_address(w.aux_slot)], [dst], [HEADER_BYTES + len(payload)])
         w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
         self.port.submit(w.job)
 
     def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
         req = w.request
         return AuxRecord(
-            room=room.id, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
-            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE,
+            room=room_of(room.id), leg=req.leg, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
+            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE and not w.first_room,
             kv_pages=w.written, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
         )
 
@@ -530,7 +737,7 @@ class PrefillService(RoomService):
             self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
             return
         room.bytes_moved += job.blocks.nbytes
-        self.port.send_peer(w.peer, self._record(room, w, self._aux().header(room.slot)))
+        self.port.send_peer(w.peer, self._record(room, w, self._aux(room).header(w.aux_slot)))
 
     def _drained(self, room: Room, w: PrefillWork) -> None:
         """A job of a failed room settled. Once the last one has, and the pump gave up
@@ -540,7 +747,7 @@ class PrefillService(RoomService):
         if w.jobs or w.job is not None:
             return
         if w.peer:
-            self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True))
+            self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=w.leg))
         self.fenced(room)
 
     def transport_closed(self) -> int:
@@ -556,17 +763,18 @@ class PrefillService(RoomService):
         return len(waiting)
 
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
-        room = self.rooms.get(msg.room)
+        room = self.rooms.get(self._leg_key(msg.room, msg.leg))
         if self.work[room.id].peer != peer.identity:
-            raise errors.BadMessage(f"room {room.id} belongs to another decode daemon", room=room.id, side=errors.Side.PEER)
+            raise errors.BadMessage(f"room {msg.room} belongs to another decode daemon", room=msg.room, side=errors.Side.PEER)
         if room.state.value != "transferring":
             return  # failed meanwhile: the failure stands
         room.bytes_moved = room.bytes_planned  # the decode side verified every byte of it, aux included
         self.succeed(room, Event.DONE)
 
     def _peer_failed(self, peer: DecodePeer, msg: RoomFailed) -> None:
-        room = self.rooms.find(msg.room)
-        w = self.work.get(msg.room)
+        key = self._leg_key(msg.room, msg.leg)
+        room = self.rooms.find(key)
+        w = self.work.get(key)
         if w is not None and w.peer and w.peer != peer.identity:
             # Another decode daemon's room under the same id (a second request for it
             # was refused as duplicate_room): its failure is not this peer's to make.
@@ -574,15 +782,15 @@ class PrefillService(RoomService):
             self.count_failure("ignored:room-of-another-peer")
             log.warning("room %d: ignored room_failed from decode daemon %s: the room belongs to another decode daemon (%s)",
                         msg.room, peer.hello.name or peer.label, msg.reason)
-            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="this prefill wrote nothing for your room under this id", fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="this prefill wrote nothing for your room under this id", fenced=True, leg=msg.leg))
             return
         if room is not None and not room.finished:
             self.fail(room, msg.code, f"decode side: {msg.reason}")
             return
-        if room is None and msg.room not in self.finished:  # its request never reached us: a later send() hears why
-            self.remember(msg.room, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
+        if room is None and key not in self.finished:  # its request never reached us: a later send() hears why
+            self.remember(key, RoomState.FAILED, msg.code, f"decode side: {msg.reason}")
         if w is None or (w.job is None and not w.jobs):  # nothing of ours in flight: acknowledge the fence now
-            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True))
+            self.port.send_peer(peer.identity, RoomFailed(room=msg.room, code=msg.code, reason="no write in flight", fenced=True, leg=msg.leg))
 
     # --- peer health
 
@@ -641,12 +849,17 @@ class PrefillService(RoomService):
         # session): that is no proof, so the decode side is not told fenced.
         in_flight = any(not job.settled or job.abandoned for job in jobs)
         if w.peer:
-            self.port.send_peer(w.peer, RoomFailed(room=room.id, code=room.code, reason=room.reason, fenced=not in_flight))
+            self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code, reason=room.reason, fenced=not in_flight, leg=w.leg))
         return not in_flight
 
     def engine_of(self, room: Room) -> bytes:
         w = self.work.get(room.id)
         return w.engine if w else b""
+
+    def disown(self, room: Room) -> None:
+        w = self.work.get(room.id)
+        if w is not None:
+            w.engine = b""
 
     def room_pages(self, room: Room) -> tuple[int, int]:
         w = self.work.get(room.id)
@@ -656,7 +869,54 @@ class PrefillService(RoomService):
 
     def room_memory_version(self, room: Room) -> int:
         w = self.work.get(room.id)
-        return w.memory_version if w and w.memory_version else self._kv().version
+        return w.memory_version if w and w.memory_version else self._kv(room).version
+
+    def rooms_of_message(self, msg: Message) -> list[Room]:
+        room_id = getattr(msg, "room", 0)
+        if not room_id:
+            return []
+        legs = msg.legs if isinstance(msg, RoomAccepted) else (getattr(msg, "leg", 0),)
+        return list({room.id: room for leg in legs if (room := self.rooms.find(self._leg_key(room_id, leg))) is not None}.values())
+
+    # --- a prefill rank's room in parts (fan-out): one status for its engine
+
+    def status(self, room: Room, req: int = 0) -> RoomStatus:
+        """What the engine hears of its room: of every part, when it writes to several
+        decode ranks (fan_out). Failed if one part failed (fenced once all are), Success
+        once every decode rank's part is there and succeeded, else the least advanced
+        part's state."""
+        group = self._group(room)
+        first = group[0]
+        w = self.work.get(first.id)
+        missing = (w.request.fan_out if w is not None and w.request is not None else 1) - len(group)  # parts whose request is still to come
+        if len(group) == 1 and missing <= 0:
+            return super().status(first, req)
+        failed = [part for part in group if part.state is RoomState.FAILED]
+        pages, skip = self.room_pages(first)
+        if failed:
+            fenced = all(part.finished and part.fenced for part in group)  # parts still to come were never asked for: nothing to fence
+            return RoomStatus(req=req, room=room_of(first.id), state=RoomState.FAILED, code=failed[0].code, reason=failed[0].reason,
+                              fenced=fenced, pages=pages, skip_pages=skip)
+        order = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS)
+        state = min((part.state for part in group), key=order.index)
+        if state is RoomState.SUCCESS and missing > 0:
+            state = RoomState.TRANSFERRING  # its other decode ranks have not asked yet
+        return RoomStatus(req=req, room=room_of(first.id), state=state, fenced=state is RoomState.SUCCESS, pages=pages, skip_pages=skip)
+
+    def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
+        """A part failing fails the others: the engine's room as a whole failed."""
+        if not super().fail(room, code, reason):
+            return False
+        for part in self._group(room):
+            if part is not room:
+                super().fail(part, code, f"{reason} (the part for another decode rank)")
+        return True
+
+    def drop(self, room: Room) -> None:
+        """The engine's room goes: every finished part of it (a live one goes when it fails)."""
+        for part in self._group(room):
+            if part is room or part.finished:
+                super().drop(part)
 
     def forget(self, room: Room) -> None:
         w = self.work.pop(room.id, None)

@@ -11,6 +11,13 @@ Both engines derive the same room list from the seed, so no router is needed: ro
 ids are random 64-bit values, prompts are 1..max_tokens tokens, and page choices are
 scattered so that coalescing has real work to do.
 
+An engine of TP size ``--tp`` runs as one process per rank (``--rank``), each with its
+own pool holding its share (pdxfer.core.topology) of the model's ``--heads`` KV heads, laid
+out ``--page-order``; the pattern is defined over every head, so a decode rank's pages
+are checked against the heads it holds whichever prefill ranks wrote them. A decode rank
+names the prefill engine's TP size (``--prefill-tp``). The defaults are one rank
+holding one head.
+
 For the benchmark, ``--plan FILE`` takes the rooms and both sides' page lists from a
 plan file (pdxfer.tools.bench.plan) instead, and fills the sources and makes every room's
 aux record before the first room; ``--timings FILE`` records when each room's
@@ -29,11 +36,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..client import AsyncClient, Slot
+import msgspec
+
+from ..client import AsyncClient, KVPool, Slot
 from ..core import errors
 from ..core.plan import pages_for_tokens
-from ..core.protocol import KVLayout, Layout, RoomState
+from ..core.protocol import ONE_RANK, KVLayout, Layout, PageOrder, Rank, Role, RoomState
 from ..loop import run_uvloop
+from .bench.plan import WHOLE, HeadShare, rank_registration
 
 AUX_RECORD_BYTES = 64
 FAULTS = ("small", "stale", "out_of_range")
@@ -62,19 +72,30 @@ def page_pattern(room: int, region: int, nbytes: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
-def fill_pages(arrays: list[np.ndarray], room: int, pages: np.ndarray) -> None:
-    """Write a room's pattern into its pages of every region."""
-    for r, arr in enumerate(arrays):
-        arr[pages] = page_pattern(room, r, pages.size * arr.shape[1]).reshape(pages.size, -1)
+def _pattern(room: int, region: int, pages: np.ndarray, page_bytes: int, share: HeadShare) -> np.ndarray:
+    """The room's pattern over every head of these pages of a region, as the rank holding
+    ``share`` of them (pages of ``page_bytes``) has it: [pages, page_bytes]."""
+    whole = page_bytes * share.total // share.count
+    return share.of(page_pattern(room, region, pages.size * whole).reshape(pages.size, whole))
 
 
-def pages_match(arrays: list[np.ndarray], room: int, pages: np.ndarray) -> bool:
-    """Whether a room's pages of every region hold its pattern, byte for byte."""
+def fill_pages(arrays: list[np.ndarray], room: int, pages: np.ndarray, share: HeadShare = WHOLE) -> None:
+    """Write a room's pattern (this rank's share of its heads) into its pages of every region."""
     for r, arr in enumerate(arrays):
-        got = arr[pages].reshape(-1)
-        if not np.array_equal(got, page_pattern(room, r, got.size)):
+        arr[pages] = _pattern(room, r, pages, arr.shape[1], share)
+
+
+def pages_match(arrays: list[np.ndarray], room: int, pages: np.ndarray, share: HeadShare = WHOLE) -> bool:
+    """Whether a room's pages of every region hold its pattern (this rank's share), byte for byte."""
+    for r, arr in enumerate(arrays):
+        if not np.array_equal(arr[pages], _pattern(room, r, pages, arr.shape[1], share)):
             return False
     return True
+
+
+def tp_sizes(tp: int) -> Rank:
+    """The sizes of an engine of TP ``tp`` alone (ONE_RANK for one rank)."""
+    return msgspec.structs.replace(ONE_RANK, tp=tp)
 
 
 def corrupt_one_byte(arrays: list[np.ndarray], pages: np.ndarray) -> None:
@@ -189,13 +210,22 @@ async def _ready(args, report: Reporter) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
-async def _connect(args) -> tuple[AsyncClient, KVLayout]:
-    client = AsyncClient(args.engine, timeout=args.timeout, engine_id=f"sim-{args.role}", slot_batch=8)
+async def _connect(args) -> tuple[AsyncClient, KVPool, HeadShare]:
+    """A rank's client, its registered pool, and its share of the heads."""
+    client = AsyncClient(args.engine, timeout=args.timeout, engine_id=f"sim-{args.role}", slot_batch=8,
+                         role=Role(args.role), rank=Rank(tp=args.rank), sizes=tp_sizes(args.tp))
     await client.connect()
-    layout = layout_from(args)
-    await client.create_kv_pool(layout)
-    await client.create_aux_buffer(args.slots, AUX_RECORD_BYTES)
-    return client, layout
+    pool = KVPool.create(layout_from(args))
+    try:
+        spec, regions = rank_registration(pool.layout, args.heads, args.tp, PageOrder(args.page_order))
+        pool.version = await client.register_kv([pool.memory.handle], spec, regions)
+        await client.create_aux_buffer(args.slots, AUX_RECORD_BYTES)
+    except BaseException:
+        pool.close()
+        await client.close()
+        raise
+    share = HeadShare.of_rank(args.heads, args.tp, args.rank, pool.layout.page_size, spec.page_order)
+    return client, pool, share
 
 
 async def _give_back(client: AsyncClient, slot: Slot) -> None:
@@ -228,12 +258,13 @@ async def run_rooms(specs: list[RoomSpec], in_flight: int, one) -> None:
 
 
 async def run_prefill(args) -> dict:
-    client, layout = await _connect(args)
+    client, kv, share = await _connect(args)
+    layout = kv.layout
     pages = PageAllocator(layout.num_pages, args.seed + 1)
-    arrays = client.kv.arrays()
+    arrays = kv.arrays()
     specs, fixed = _rooms(args)
     for spec in specs if fixed else ():  # planned pages are never reused: fill them all now
-        fill_pages(arrays, spec.room, fixed[spec.index][0])
+        fill_pages(arrays, spec.room, fixed[spec.index][0], share)
     records = planned_records(specs, bool(fixed))
     outcome: dict[str, int] = {}
     timings: list[tuple[int, float, float, bool]] = []
@@ -246,7 +277,7 @@ async def run_prefill(args) -> dict:
         src = fixed[spec.index][0] if fixed else await pages.take(n)
         try:
             if not fixed:
-                fill_pages(arrays, spec.room, src)
+                fill_pages(arrays, spec.room, src, share)
             slot = await _alloc_slot(client)
             client.aux.payload(slot)[:AUX_RECORD_BYTES] = np.frombuffer(record_of(records, spec), np.uint8)
             t0 = time.monotonic()
@@ -268,16 +299,19 @@ async def run_prefill(args) -> dict:
     await run_rooms(specs, args.in_flight, one)
     cpu = time.process_time() - cpu
     await client.close()
+    kv.close()
     _save_timings(args.timings, timings)
     return {"event": "summary", "role": "prefill", "outcome": outcome, "cpu_s": cpu}
 
 
 async def run_decode(args) -> dict:
-    client, layout = await _connect(args)
+    client, kv, share = await _connect(args)
+    layout = kv.layout
+    prefill_sizes = tp_sizes(args.prefill_tp)
     faults = {k: v for k, v in (f.split(":") for f in args.fault)} if args.fault else {}
     faults = {k: int(v) for k, v in faults.items()}
     pages = PageAllocator(layout.num_pages, args.seed + 2)
-    arrays = client.kv.arrays()
+    arrays = kv.arrays()
     region_bytes = sum(a.shape[1] for a in arrays)
     specs, fixed = _rooms(args)
     records = planned_records(specs, bool(fixed))
@@ -298,7 +332,7 @@ async def run_decode(args) -> dict:
         if corrupt:
             corrupt = False
             corrupt_one_byte(arrays, pages)
-        return pages_match(arrays, spec.room, pages)
+        return pages_match(arrays, spec.room, pages, share)
 
     async def one(spec: RoomSpec) -> None:
         nonlocal moved, mismatches
@@ -316,14 +350,15 @@ async def run_decode(args) -> dict:
             wire_pages = dst.copy()
             wire_pages[-1] = layout.num_pages
         elif fault == "stale":
-            version = client.kv.version + 1
+            version = kv.version + 1
         t0 = time.perf_counter()
         try:
             slot = await _alloc_slot(client)
             client.aux.payload(slot)[:] = 0
             t_call = time.monotonic()
             try:
-                await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version, wait=False)
+                await client.expect(spec.room, args.bootstrap, wire_pages, slot, num_draft_tokens=args.draft_tokens, memory_version=version,
+                                    prefill_sizes=prefill_sizes, wait=False)
                 status = await client.wait(spec.room, timeout=args.room_timeout)
             except errors.PdxferError:  # refused (or lost): the slot may never have been bound
                 await _give_back(client, slot)
@@ -364,6 +399,7 @@ async def run_decode(args) -> dict:
             mismatches += 1
             print(f"room {spec.room}: destination bytes differ from the source", file=sys.stderr)
     await client.close()
+    kv.close()
     _save_timings(args.timings, timings)
     lat = np.array(latencies) * 1000 if latencies else np.zeros(1)
     return {
@@ -393,7 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="mha", choices=[x.value for x in Layout])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--token-bytes", type=int, default=512)
+    p.add_argument("--token-bytes", type=int, default=512, help="bytes per token per layer in each of K and V of this rank's pool")
+    p.add_argument("--tp", type=int, default=1, help="TP size of this engine: one process per rank")
+    p.add_argument("--rank", type=int, default=0, help="this process's TP rank")
+    p.add_argument("--prefill-tp", type=int, default=1, help="decode: TP size of the prefill engine")
+    p.add_argument("--heads", type=int, default=1, help="KV heads of the model, split over the TP ranks")
+    p.add_argument("--page-order", default=PageOrder.TOKEN_MAJOR.value, choices=[x.value for x in PageOrder],
+                   help="how a page of this rank's pool holds its heads' tokens")
     p.add_argument("--pages", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--draft-tokens", type=int, default=0, help="decode: speculative draft tokens reserved per room")

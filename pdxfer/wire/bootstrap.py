@@ -424,6 +424,10 @@ class PeerLink:
         self._on_connection: Callable[[str], None] = lambda event: None
         self.on_dropped: Dropped = lambda to, payloads: None
         self.keep: Callable[[bytes], bool] = lambda payload: True  # on connecting: whether one posted meanwhile still goes
+        # On connecting again: what goes before everything posted meanwhile (the decode's
+        # peer_hello: a prefill that restarted meanwhile must hear it before any request).
+        self.greeting: Callable[[], list[bytes]] = lambda: []
+        self._taken = 0  # connections taken so far
 
     def start(
         self,
@@ -530,7 +534,10 @@ class PeerLink:
         then everything else. Done while the reply is read, so that a message right
         behind it finds the connection taken."""
         self._conn = conn
+        self._taken += 1
         waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
+        if self._taken > 1 and (greeting := self.greeting()):
+            self._send_batch(None, greeting)
         for payloads in waiting:
             if payloads := [p for p in payloads if self.keep(p)]:
                 self._send_batch(None, payloads)

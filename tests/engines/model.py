@@ -46,22 +46,23 @@ CONFIG = {
 }
 
 
-def weights(seed: int = 0) -> dict:
+def weights(seed: int = 0, config: dict = CONFIG) -> dict:
     """HF Llama tensor names → float32 numpy arrays ([out, in] for projections)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    hidden = CONFIG["hidden_size"]
-    inter = CONFIG["intermediate_size"]
-    q_out = CONFIG["num_attention_heads"] * HEAD_DIM
-    kv_out = NUM_KV_HEADS * HEAD_DIM
+    hidden = config["hidden_size"]
+    inter = config["intermediate_size"]
+    vocab = config["vocab_size"]
+    q_out = config["num_attention_heads"] * config["head_dim"]
+    kv_out = config["num_key_value_heads"] * config["head_dim"]
 
     def normal(shape, std):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     unit = 1.0 / hidden**0.5  # a unit-RMS input gives unit-RMS outputs
-    out = {"model.embed_tokens.weight": normal((VOCAB_SIZE, hidden), 1.0)}
-    for i in range(NUM_LAYERS):
+    out = {"model.embed_tokens.weight": normal((vocab, hidden), 1.0)}
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out[p + "self_attn.q_proj.weight"] = normal((q_out, hidden), 2 * unit)  # sharp attention
         out[p + "self_attn.k_proj.weight"] = normal((kv_out, hidden), 2 * unit)
@@ -73,17 +74,20 @@ def weights(seed: int = 0) -> dict:
         out[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
         out[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
     out["model.norm.weight"] = np.ones(hidden, np.float32)
-    out["lm_head.weight"] = normal((VOCAB_SIZE, hidden), unit)
+    out["lm_head.weight"] = normal((vocab, hidden), unit)
     return out
 
 
-def write_model_dir(path: str, seed: int = 0) -> str:
+def write_model_dir(path: str, seed: int = 0, **changes) -> str:
     """Write config.json and model.safetensors into ``path`` (created if missing);
-    ``path``. Needs numpy and safetensors (both in the engine environment)."""
+    ``path``. ``changes`` replace CONFIG entries (a variant with more layers or KV
+    heads has more KV per token). Needs numpy and safetensors (both in the engine
+    environment)."""
     from safetensors.numpy import save_file
 
+    config = {**CONFIG, **changes}
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=2)
-    save_file(weights(seed), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config, f, indent=2)
+    save_file(weights(seed, config), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path

@@ -19,8 +19,16 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from pdxfer.ops.inspection import daemon_counters
+from pdxfer.tools.launch import start_daemon, stop_all
 from tests.engines.procs import REPO_ROOT, Worker
 from tests.engines.prompts import Request
 from tests.engines.sglang_plugins import KVARGS_DIR_ENV, TRANSFER_LOG_DIR_ENV
@@ -60,6 +68,7 @@ PLUGIN_ENTRY_POINTS = {
     "mooncake_cpu": "tests.engines.sglang_plugins:mooncake_cpu",
     "kvargs_dump": "tests.engines.sglang_plugins:kvargs_dump",
     "transfer_log": "tests.engines.sglang_plugins:transfer_log",
+    "decode_log": "tests.engines.sglang_plugins:decode_log",
 }
 BASELINE_PLUGINS = ("mooncake_cpu", "kvargs_dump", "transfer_log")
 
@@ -69,7 +78,8 @@ class PDRun:
     """What a prefill/decode pair returned: per wave, per request, the decode's
     generated ids; the prefill's answers; the KVArgs each role's manager was given
     (`sglang_plugins.kvargs_dump`), by file name; the sender and receiver calls
-    (`sglang_plugins.transfer_log`); the rooms used, per wave."""
+    (`sglang_plugins.transfer_log`); the rooms used, per wave; each wave's seconds,
+    from sending it to both engines' answers."""
 
     tokens: list[list[list[int]]]
     prefill_outputs: list[list[dict]]
@@ -77,9 +87,25 @@ class PDRun:
     kvargs: dict[str, dict]
     calls: list[dict]
     rooms: list[list[int]]
+    wave_seconds: list[float]
 
     def calls_for(self, room: int, call: str) -> list[dict]:
         return [c for c in self.calls if c["room"] == room and c["call"] == call]
+
+    def handoff_seconds(self, room: int) -> float | None:
+        """From the prefill handing the room's last chunk to the backend (its KV
+        computed) to the decode streaming its first token (`sglang_plugins.decode_log`;
+        both wall clocks of this host). None for a room that did not get that far."""
+        sends, first = self.calls_for(room, "send"), self.calls_for(room, "first_token")
+        if not sends or not first:
+            return None
+        return first[0]["t"] - max(s["t"] for s in sends)
+
+
+def entry_point() -> str:
+    """pdxfer's SGLang plugin, as pyproject.toml declares it."""
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["entry-points"]["sglang.srt.plugins"]["pdxfer"]
 
 
 def free_port() -> int:
@@ -123,6 +149,16 @@ def engine_env(workdir: str, plugins: Sequence[str], extra_plugins: dict[str, st
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra_env or {})
     return env
+
+
+def tensor_parallel(tp: int) -> tuple[dict, dict[str, str]]:
+    """The engine arguments and environment of a server running ``tp`` TP ranks on this
+    CPU: SGLang binds each rank's OpenMP threads to a NUMA node of its own and refuses
+    more ranks than nodes (numa_utils.init_threads_binding) unless
+    SGLANG_CPU_OMP_THREADS_BIND names each rank's cores; here ranks share the cores
+    round robin. The ranks all-reduce over gloo."""
+    cores = os.cpu_count() or 1
+    return {"tp_size": tp}, {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp))}
 
 
 def _worker(name: str, workdir: str, model_dir: str, engine_args: dict, env: dict[str, str]) -> Worker:
@@ -172,15 +208,22 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 backend: str = "mooncake", plugins: Sequence[str] = BASELINE_PLUGINS,
                 extra_plugins: dict[str, str] | None = None,
                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                engine_args: dict | None = None, decode_radix_cache: bool = True,
-                room_seed: int = 1) -> PDRun:
+                engine_args: dict | None = None, prefill_args: dict | None = None, decode_args: dict | None = None,
+                decode_radix_cache: bool = True,
+                room_seed: int = 1, before_wave: Callable[[int], None] | None = None, op: str = "generate",
+                wave_args: Callable[[int], tuple[dict, dict]] | None = None) -> PDRun:
     """A prefill and a decode engine, each in its own process, with
     ``disaggregation_transfer_backend=backend``; each wave's requests go to both at
     once, with the prefill's bootstrap address and a fresh room each. ``plugins``
     name test plugins (`PLUGIN_ENTRY_POINTS`), ``extra_plugins`` more entry points
-    (name → ``module:function``), e.g. a backend's. ``decode_radix_cache`` turns on
+    (name → ``module:function``), e.g. a backend's. ``prefill_args`` and ``decode_args``
+    are one side's engine arguments beyond ``engine_args`` (e.g. `tensor_parallel`'s). ``decode_radix_cache`` turns on
     the decode's radix cache (off by default in SGLang, "experimental"): a request
-    whose prefix the decode holds gets only the rest from the prefill."""
+    whose prefix the decode holds gets only the rest from the prefill.
+    ``before_wave(i)`` runs before wave i is sent (a fault test kills or restarts a
+    daemon there). ``op="generate_each"`` (`sglang_worker`) lets a request fail alone:
+    its answer is then ``{"error": ...}`` and its tokens None. ``wave_args(i)`` gives
+    more arguments of wave i's op for the prefill and for the decode (e.g. ``abort``)."""
     kvargs_dir = os.path.join(workdir, "kvargs")
     log_dir = os.path.join(workdir, "transfer-log")
     os.makedirs(kvargs_dir, exist_ok=True)
@@ -190,13 +233,13 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
     common = {"disaggregation_transfer_backend": backend, **(engine_args or {})}
     prefill = _worker(
         "sglang-prefill", workdir, model_dir,
-        {**common, "disaggregation_mode": "prefill", "disaggregation_bootstrap_port": bootstrap_port},
+        {**common, **(prefill_args or {}), "disaggregation_mode": "prefill", "disaggregation_bootstrap_port": bootstrap_port},
         engine_env(workdir, plugins, extra_plugins, {**test_env, **(prefill_env or {})}),
     )
     decode = _worker(
         "sglang-decode", workdir, model_dir,
         # The default host pool for retraction calls cudaHostRegister (E4).
-        {**common, "disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor",
+        {**common, **(decode_args or {}), "disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor",
          "disaggregation_decode_enable_radix_cache": decode_radix_cache},
         engine_env(workdir, plugins, extra_plugins, {**test_env, **(decode_env or {})}),
     )
@@ -206,8 +249,10 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
         decode.start()
         prefill.ready(START_TIMEOUT)
         decode.ready(START_TIMEOUT)
-        tokens, prefill_outputs, decode_outputs, wave_rooms = [], [], [], []
-        for wave in waves:
+        tokens, prefill_outputs, decode_outputs, wave_rooms, seconds = [], [], [], [], []
+        for i, wave in enumerate(waves):
+            if before_wave is not None:
+                before_wave(i)
             wave_rooms.append([rooms.randrange(1, 2**63) for _ in wave])
             batch = {
                 "input_ids": [list(r.input_ids) for r in wave],
@@ -216,13 +261,16 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
                 "bootstrap_port": [bootstrap_port] * len(wave),
                 "bootstrap_room": wave_rooms[-1],
             }
-            prefill.submit("generate", **batch)
-            decode.submit("generate", **batch)
+            p_args, d_args = wave_args(i) if wave_args is not None else ({}, {})
+            started = time.monotonic()
+            prefill.submit(op, **batch, **p_args)
+            decode.submit(op, **batch, **d_args)
             p_out = prefill.result(GENERATE_TIMEOUT, "prefilling a wave")
             d_out = decode.result(GENERATE_TIMEOUT, "decoding a wave")
+            seconds.append(time.monotonic() - started)
             prefill_outputs.append(p_out)
             decode_outputs.append(d_out)
-            tokens.append([o["output_ids"] for o in d_out])
+            tokens.append([o.get("output_ids") for o in d_out])
     finally:
         _stop([decode, prefill])
     kvargs, calls = {}, []
@@ -232,4 +280,40 @@ def generate_pd(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]]
     for name in sorted(os.listdir(log_dir)):
         with open(os.path.join(log_dir, name)) as f:
             calls.extend(json.loads(line) for line in f)
-    return PDRun(tokens, prefill_outputs, decode_outputs, kvargs, calls, wave_rooms)
+    return PDRun(tokens, prefill_outputs, decode_outputs, kvargs, calls, wave_rooms, seconds)
+
+
+@dataclasses.dataclass
+class PdxferRun:
+    """`generate_pdxfer`'s result: the pair's run, each daemon's counters after the
+    last wave (`pdxfer.ops.inspection.daemon_counters`) and exit codes."""
+
+    run: PDRun
+    sent: dict[str, float]
+    received: dict[str, float]
+    exit_codes: list[int]
+
+
+def generate_pdxfer(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]], *,
+                    decode_flags: Sequence[str] = ("--verify-kv",), **kwargs) -> PdxferRun:
+    """`generate_pd` over pdxfer: a prefill and a decode daemon (``pdxfer serve``, their
+    logs and runtime directory in ``workdir``) beside the engines, each engine pointed
+    at its own by PDXFER_ENDPOINT. ``kwargs`` go to `generate_pd`."""
+    runtime = os.path.join(workdir, "pdxfer")
+    os.makedirs(runtime, mode=0o700, exist_ok=True)
+    daemons = []
+    try:
+        for role, flags in (("prefill", ()), ("decode", decode_flags)):
+            with open(os.path.join(workdir, f"{role}-daemon.log"), "w") as log:
+                daemons.append(start_daemon(role, runtime, *flags, stderr=log))
+        prefill, decode = daemons
+        run = generate_pd(
+            model_dir, os.path.join(workdir, "pd"), waves, backend="pdxfer",
+            extra_plugins={"pdxfer": entry_point(), **kwargs.pop("extra_plugins", {})},
+            prefill_env={**kwargs.pop("prefill_env", {}), "PDXFER_ENDPOINT": prefill.engine},
+            decode_env={**kwargs.pop("decode_env", {}), "PDXFER_ENDPOINT": decode.engine}, **kwargs,
+        )
+        sent, received = daemon_counters(prefill.ready["admin"]), daemon_counters(decode.ready["admin"])
+    finally:
+        codes = stop_all(list(reversed(daemons)))
+    return PdxferRun(run, sent, received, codes)

@@ -12,8 +12,15 @@ patched on disk.
 - ``transfer_log``: with ``PDXFER_TEST_TRANSFER_LOG_DIR`` set, the calls the
   schedulers make on senders and receivers (`LOGGED`), one JSON line each, in
   ``<dir>/<pid>.jsonl``: which rooms were sent in chunks, what prefix the decode
-  skipped. It hooks SGLang's ``Common*`` classes, so a backend's method that does not
-  call ``super()`` is not seen; `log_calls` hooks other targets."""
+  skipped, and when (``t``, wall clock) and by which process (``pid``: a server with
+  several ranks has a scheduler process per rank). It hooks SGLang's ``Common*`` classes, so a
+  backend's method that does not call ``super()`` is not seen; `log_calls` hooks other
+  targets.
+- ``decode_log``: with the same directory set, what the decode scheduler does with a
+  room after its transfer (`DECODE_LOGGED`): when its first token went out
+  (``first_token``), when a failed room's pages began to be held for deferred release
+  (``hold``) and when they went back to the pool (``release_pages``), with the
+  backend's ``is_abort_release_safe`` at that moment."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import dataclasses
 import enum
 import json
 import os
+import time
 
 KVARGS_DIR_ENV = "PDXFER_TEST_KVARGS_DIR"
 TRANSFER_LOG_DIR_ENV = "PDXFER_TEST_TRANSFER_LOG_DIR"
@@ -43,6 +51,28 @@ LOGGED = {
         "aux_index": _arg(a, k, 1, "aux_index"),
         "decode_prefix_len": _arg(a, k, 3, "decode_prefix_len"),
     },
+}
+
+_DECODE = "sglang.srt.disaggregation.decode.DecodeTransferQueue."
+_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+
+
+def _release_record(queue, args, kwargs, result) -> dict:
+    decode_req = _arg(args, kwargs, 0, "decode_req")
+    receiver = decode_req.kv_receiver
+    room = int(decode_req.req.bootstrap_room)
+    acks = len(getattr(receiver, "bootstrap_infos", None) or ()) if receiver is not None else 0
+    safe = receiver.kv_mgr.is_abort_release_safe(room, acks) if receiver is not None else None
+    return {"call": "release_pages", "room": room, "safe": safe}
+
+
+DECODE_LOGGED = {
+    # The prebuilt batch streams each request's first token (the prefill's, from aux).
+    _PROCESSOR + "process_batch_result_prebuilt": lambda s, a, k, r: [
+        {"call": "first_token", "room": int(req.bootstrap_room)} for req in _arg(a, k, 0, "batch").reqs
+    ],
+    _DECODE + "_defer_release": lambda s, a, k, r: {"call": "hold", "room": int(_arg(a, k, 0, "decode_req").req.bootstrap_room)},
+    _DECODE + "_release_request": _release_record,
 }
 
 
@@ -106,18 +136,24 @@ def _arg(args, kwargs, index, name, default=None):
 
 def log_calls(directory: str, logged: dict) -> None:
     """Register AFTER hooks writing one JSON line per call of each target in
-    ``logged`` (dotted method path -> record function) to ``<directory>/<pid>.jsonl``."""
+    ``logged`` (dotted method path -> record function) to ``<directory>/<pid>.jsonl``,
+    stamped with the wall clock. A record is a dict or a list of them (one line each);
+    its ``room`` defaults to the object's ``bootstrap_room``, its ``call`` to the method."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     path = os.path.join(directory, f"{os.getpid()}.jsonl")
     for target, record in logged.items():
         method = target.rsplit(".", 1)[1]
 
-        def after(result, sender, *args, _record=record, _method=method, **kwargs):
-            entry = {"call": _method, "class": type(sender).__name__,
-                     "room": int(sender.bootstrap_room), **_record(sender, args, kwargs, result)}
+        def after(result, obj, *args, _record=record, _method=method, **kwargs):
+            t = time.time()
+            records = _record(obj, args, kwargs, result)
             with open(path, "a") as f:
-                f.write(json.dumps(_plain(entry)) + "\n")
+                for rec in records if isinstance(records, list) else [records]:
+                    entry = {"call": _method, "class": type(obj).__name__, "t": t, "pid": os.getpid(), **rec}
+                    if "room" not in entry:
+                        entry["room"] = int(obj.bootstrap_room)
+                    f.write(json.dumps(_plain(entry)) + "\n")
 
         HookRegistry.register(target, after, HookType.AFTER)
 
@@ -126,3 +162,9 @@ def transfer_log() -> None:
     directory = os.environ.get(TRANSFER_LOG_DIR_ENV)
     if directory:
         log_calls(directory, LOGGED)
+
+
+def decode_log() -> None:
+    directory = os.environ.get(TRANSFER_LOG_DIR_ENV)
+    if directory:
+        log_calls(directory, DECODE_LOGGED)

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tests.engines.conftest import ENGINE_TEST_TIMEOUT
-from tests.engines.sglang_pd import engine_env
+from tests.engines.sglang_pd import engine_env, entry_point
 
 try:
     import tomllib
@@ -24,13 +24,6 @@ pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = "sglang.srt.plugins"
-
-
-def entry_point() -> str:
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
-    assert project["optional-dependencies"]["sglang"] == []  # SGLang itself is the user's
-    return project["entry-points"][GROUP]["pdxfer"]
 
 
 def run_in_sglang(tmp_path, script: str) -> str:
@@ -45,6 +38,8 @@ def run_in_sglang(tmp_path, script: str) -> str:
 
 def test_the_entry_point_names_the_register_function():
     assert entry_point() == "pdxfer.adapters.sglang.plugin:register"
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["optional-dependencies"]["sglang"] == []  # SGLang itself is the user's
 
 
 def test_sglang_knows_the_backend_after_loading_plugins(needs_sglang, tmp_path):

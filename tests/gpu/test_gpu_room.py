@@ -84,3 +84,36 @@ def test_a_room_moves_gpu_pool_bytes_between_two_daemons(daemons):
     prefill.release(1)
     for client in (prefill, decode):
         client.close()
+
+
+def test_a_chunk_sent_with_a_cuda_event_is_written_once_the_work_before_it_completed(daemons):
+    """A11: the engine writes its pages on a stream, records an interprocess event after
+    that work, and sends at once with the event's IPC handle (no synchronize). A slow
+    kernel queued before the copy keeps the event pending for a while: the daemon waits
+    for it, so the decode receives the pages' final bytes, never the zeros before."""
+    import torch
+
+    prefill_daemon = daemons("prefill", "--device", "cuda:0")
+    decode_daemon = daemons("decode", "--device", "cuda:0")
+    prefill, src_pool = gpu_engine(prefill_daemon)
+    decode, dst_pool = gpu_engine(decode_daemon)
+    sent = torch.from_numpy(pattern(8, pool_bytes(LAYOUT))).cuda()
+    pages = np.arange(64)
+    slot_d = decode.alloc_slot()
+    decode.expect(2, prefill_daemon.bootstrap, pages, slot_d, memory_version=1)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the pages are written
+        src_pool.copy_(sent)
+        event = torch.cuda.Event(interprocess=True)
+        event.record(stream)
+    assert not event.query()  # the send below goes while the work is still queued
+    prefill.send(2, pages, 64 * LAYOUT.page_size, prefill.alloc_slot(), aux_bytes=0, memory_version=1, cuda_event=bytes(event.ipc_handle()))
+    assert decode.wait(2, timeout=60).state is RoomState.SUCCESS
+    regions = layout_regions(LAYOUT)
+    got = region_views(dst_pool.cpu().numpy(), regions, LAYOUT.num_pages)
+    want = region_views(sent.cpu().numpy(), regions, LAYOUT.num_pages)
+    for region, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g[pages], w[pages]), f"region {region}: the pages were written before the event completed"
+    for client in (prefill, decode):
+        client.close()

@@ -59,6 +59,8 @@ class RecordingPort:
         self.remade: set[MemoryHandle] = set()  # handles whose memory the test made anew under the same name
         self.transitions: list[tuple[int, RoomState | None, RoomState]] = []  # (room, from, to)
         self.registry: dict[str, tuple[str, str]] | None = None  # name -> (bootstrap, incarnation); None: no registry
+        self.watched: dict[bytes, tuple[int, int]] = {}
+        self.events: list[tuple[bytes, Callable[[str], None]]] = []  # CUDA events a role waits for: (handle, call when done)  # engine connection -> (pid, pid namespace) the role asked to watch
         self._timers: list[tuple[int, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
@@ -126,6 +128,12 @@ class RecordingPort:
 
     def observe(self, room: Room, left: RoomState | None, now: float) -> None:
         self.transitions.append((room.id, left, room.state))
+
+    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        self.events.append((handle, done))
+
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        self.watched[identity] = (pid, pid_namespace)
 
     def resolve(self, name: str) -> str | None:
         if self.registry is None:

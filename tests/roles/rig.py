@@ -18,7 +18,9 @@ from pdxfer.core.protocol import (
     KVLayout,
     Layout,
     Message,
+    LaneInfo,
     PeerHello,
+    Rank,
     RegisterAux,
     RegisterKV,
     Role,
@@ -27,7 +29,6 @@ from pdxfer.core.protocol import (
     Send,
     ShmHandle,
     SlotGrant,
-    compat_hash,
 )
 from pdxfer.roles.decode import DecodeService
 from pdxfer.roles.prefill import PrefillService
@@ -74,46 +75,48 @@ def call(service, message: Message, engine: bytes = ENGINE) -> Message | None:
     return done(reply) if hasattr(reply, "send") else reply
 
 
-def register(service) -> None:
+def register(service, engine: bytes = ENGINE) -> None:
     """What an engine does first: register its KV pool and its aux buffer."""
-    kv = RegisterKV(req=1, buffers=(ShmHandle(name="kv", size=pool_bytes(LAYOUT)),), spec=SPEC, regions=REGIONS, memory_version=1)
-    aux = RegisterAux(req=2, memory=ShmHandle(name="aux", size=SLOTS * SLOT_BYTES), num_slots=SLOTS, slot_bytes=SLOT_BYTES)
+    name = engine.decode()
+    kv = RegisterKV(req=1, buffers=(ShmHandle(name=f"kv-{name}", size=pool_bytes(LAYOUT)),), spec=SPEC, regions=REGIONS, memory_version=1)
+    aux = RegisterAux(req=2, memory=ShmHandle(name=f"aux-{name}", size=SLOTS * SLOT_BYTES), num_slots=SLOTS, slot_bytes=SLOT_BYTES)
     for message in (kv, aux):
-        reply = call(service, message)
+        reply = call(service, message, engine)
         assert type(reply).__name__ == "Ok", reply
 
 
-def grant(service) -> SlotGrant:
-    reply = call(service, AllocSlot(req=3))
+def grant(service, engine: bytes = ENGINE) -> SlotGrant:
+    reply = call(service, AllocSlot(req=3), engine)
     assert isinstance(reply, SlotGrant), reply
     return reply
 
 
-def prefill(port: RecordingPort | None = None, **options) -> PrefillService:
-    """A registered prefill role; ``options`` are Config fields."""
+def prefill(port: RecordingPort | None = None, registered: bool = True, **options) -> PrefillService:
+    """A prefill role, registered by its engine unless ``registered`` is false; ``options`` are Config fields."""
     service = PrefillService(Config(role=Role.PREFILL, **options), PREFILL_INCARNATION, port or RecordingPort(),
                              sessions=PREFILL_SESSIONS, bootstrap_address=BOOTSTRAP)
-    register(service)
+    if registered:
+        register(service)
     return service
 
 
-def decode(port: RecordingPort | None = None, **options) -> DecodeService:
-    """A registered decode role named host/d; ``options`` are Config fields."""
+def decode(port: RecordingPort | None = None, registered: bool = True, **options) -> DecodeService:
+    """A decode role named host/d, registered by its engine unless ``registered`` is false; ``options`` are Config fields."""
     service = DecodeService(Config(role=Role.DECODE, host="host", name="d", **options), DECODE_INCARNATION, port or RecordingPort(),
                             sessions=DECODE_SESSIONS, probe_base=DST_PROBE, engine_release="")
-    register(service)
+    if registered:
+        register(service)
     return service
 
 
-def decode_hello(incarnation: str = DECODE_INCARNATION, name: str = "host/d", inline_kv_bytes: int = 0, **fields) -> PeerHello:
+def decode_hello(incarnation: str = DECODE_INCARNATION, name: str = "host/d", inline_kv_bytes: int = 0, lanes: tuple = (), **fields) -> PeerHello:
     """What a decode daemon with the pools above says first. No inline KV unless asked:
-    the rooms here are about writes."""
-    ours = compat_of(SPEC, REGIONS, SLOT_BYTES)
+    the rooms here are about writes. ``lanes`` describe other ranks' pools instead."""
+    lane = LaneInfo(index=0, rank=Rank(), compat=compat_of(SPEC, REGIONS, SLOT_BYTES), heads_local=SPEC.heads.local, layers=SPEC.layers,
+                    region_bases=(DST_KV,), num_pages=LAYOUT.num_pages, aux_base=DST_AUX, aux_slots=SLOTS, memory_version=1)
     return PeerHello(
         version=PROTOCOL_VERSION, incarnation=incarnation, session=DECODE_SESSIONS[0], sessions=DECODE_SESSIONS,
-        compat=ours, compat_hash=compat_hash(ours), region_bases=(DST_KV,), num_pages=LAYOUT.num_pages,
-        aux_base=DST_AUX, aux_slots=SLOTS, memory_version=1, name=name, probe_base=DST_PROBE,
-        inline_kv_bytes=inline_kv_bytes, **fields,
+        lanes=lanes or (lane,), name=name, probe_base=DST_PROBE, inline_kv_bytes=inline_kv_bytes, **fields,
     )
 
 

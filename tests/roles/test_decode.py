@@ -19,6 +19,7 @@ from pdxfer.core.protocol import (
     RoomAccepted,
     RoomAck,
     RoomFailed,
+    LegRequest,
     RoomRequest,
     RoomState,
     RoomStatus,
@@ -76,14 +77,15 @@ def expecting(service: DecodeService, room: int, pages: list[int], bootstrap: st
 def accepted(service: DecodeService, room: int, input_ready: bool = True, endpoint: str = ENDPOINT,
              incarnation: str = PREFILL_INCARNATION) -> None:
     """The prefill accepts ``room``; the engine hears of each state it moves to (B6)."""
-    link(service, RoomAccepted(room=room, input_ready=input_ready), endpoint, incarnation)
+    link(service, RoomAccepted(room=room, input_ready=input_ready, legs=(0,)), endpoint, incarnation)
     states = (W, T) if input_ready else (W,)
     assert service.port.take() == [("engine", ENGINE, status(room, state, fenced=False)) for state in states]
 
 
 def record(request: RoomRequest, payload: bytes = b"", **fields) -> AuxRecord:
     """The prefill's aux record for ``request``, carrying ``payload``."""
-    return AuxRecord(room=request.room, slot=request.slot, generation=request.generation, length=len(payload),
+    (leg,) = request.legs
+    return AuxRecord(room=request.room, slot=leg.slot, generation=leg.generation, length=len(payload),
                      checksum=zlib.crc32(payload), payload=payload, **fields)
 
 
@@ -98,15 +100,14 @@ def test_an_expect_opens_a_link_says_hello_and_holds_the_request_until_the_prefi
     assert port.links == [("open", ENDPOINT)]
     hello = service.hello()
     assert (hello.name, hello.sessions, hello.session, hello.probe_base) == ("host/d", DECODE_SESSIONS, DECODE_SESSIONS[0], DST_PROBE)
-    assert (hello.aux_base, hello.region_bases) == (service.aux.memory.address, (service.kv.buffers[0].address,))
+    assert [(lane.index, lane.aux_base, lane.region_bases) for lane in hello.lanes] == [(0, service.lanes[0].aux.memory.address, (service.lanes[0].kv.buffers[0].address,))]
     assert port.take() == [("link", ENDPOINT, hello)]  # the request waits: its leave to write needs the prefill's clock
 
     port.advance(7)
     link(service, welcome())
     offset = PREFILL_CLOCK - seconds(START_MS + 7)
-    assert port.take() == [("link", ENDPOINT, RoomRequest(
-        room=7, pages=pages_to_bytes([5, 6]), slot=slot.slot, generation=slot.generation, memory_version=1,
-        lease_ms=30_000, writes_until=port.clock() + offset + SPAN))]
+    leg = LegRequest(pages=pages_to_bytes([5, 6]), slot=slot.slot, generation=slot.generation, memory_version=1)
+    assert port.take() == [("link", ENDPOINT, RoomRequest(room=7, legs=(leg,), lease_ms=30_000, writes_until=port.clock() + offset + SPAN))]
     assert service.links[ENDPOINT].ready
 
 
@@ -145,9 +146,9 @@ def test_an_aux_record_before_any_notice_lands_the_room_through_every_state():
     room = service.rooms.get(7)
     assert [state for state, _ in room.history] == [B, W, T, S]
     assert [(left, to) for r, left, to in port.transitions if r == 7] == [(None, B), (B, W), (W, T), (T, S)]
-    assert service.kv.buffers[0].array[5 * PAGE_BYTES:7 * PAGE_BYTES].tobytes() == kv
-    assert service.aux.payload(request.slot, 11) == b"first token"
-    assert service.aux.slots.slots[request.slot].state is SlotState.WRITTEN
+    assert service.lanes[0].kv.buffers[0].array[5 * PAGE_BYTES:7 * PAGE_BYTES].tobytes() == kv
+    assert service.lanes[0].aux.payload(request.legs[0].slot, 11) == b"first token"
+    assert service.lanes[0].aux.slots.slots[request.legs[0].slot].state is SlotState.WRITTEN
     assert service.bytes_received == room.bytes_moved > len(kv)
 
 
@@ -184,7 +185,7 @@ def test_a_stamp_written_by_the_transfer_engine_is_checked_again_until_it_is_vis
     assert port.take() == [] and port.timers() == [start + 1]  # not visible yet: look again soon
     port.advance(3)
     assert port.timers() == [start + 4] and service.rooms.get(7).state is T
-    service.aux.write(request.slot, Stamp(7, request.generation, 3, zlib.crc32(b"aux")), b"aux")  # it lands
+    service.lanes[0].aux.write(request.legs[0].slot, Stamp(7, request.legs[0].generation, 3, zlib.crc32(b"aux")), b"aux")  # it lands
     port.advance(1)
     assert port.take() == [("engine", ENGINE, status(7, S, fenced=True)), ("link", ENDPOINT, RoomAck(room=7))]
     assert port.timers() == []
@@ -218,7 +219,7 @@ def test_a_failed_room_stays_fence_pending_until_the_prefill_says_nothing_is_in_
     reason = "aborted by the decode engine: client went away"
     assert port.take() == [("link", ENDPOINT, RoomFailed(room=7, code=ErrorCode.ABORTED, reason=reason, fenced=True)),
                            ("engine", ENGINE, status(7, F, fenced=False, code=ErrorCode.ABORTED, reason=reason))]
-    slot = service.aux.slots.slots[request.slot]
+    slot = service.lanes[0].aux.slots.slots[request.legs[0].slot]
     run(service, 200_000)  # twenty fence timeouts: no clock fences (S2)
     assert slot.state is SlotState.QUARANTINED and not service.rooms.get(7).fenced
     assert [p.fence_pending for p in service.peer_infos(port.clock(), 0.0)] == [1]
@@ -237,7 +238,7 @@ def test_a_released_room_keeps_its_slot_quarantined_until_the_prefills_proof():
     link(service, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False))
     assert port.take() == [("engine", ENGINE, status(7, F, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="prefill side: write failed"))]
     assert call(service, Release(req=13, room=7)) == Ok(req=13)
-    slot = service.aux.slots.slots[request.slot]
+    slot = service.lanes[0].aux.slots.slots[request.legs[0].slot]
     assert service.rooms.find(7) is None and slot.state is SlotState.QUARANTINED
     link(service, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=True))
     assert slot.state is SlotState.FREE and port.take() == []
@@ -306,27 +307,32 @@ def test_a_prefill_that_closes_its_connection_with_live_rooms_is_declared_dead()
 
 def test_a_restarted_prefill_fails_and_fences_its_predecessors_rooms_at_once():
     """A new incarnation answers at the link's address: the old process is gone, so
-    nothing it sent can land any more."""
+    nothing it sent can land any more. Its rooms failed when its connection went;
+    they are fenced now. A room asked for after the connection went was sent to the
+    new process (the link says hello first on a new connection): it stays live."""
     service = decode()
     port = service.port
     expecting(service, 7, [5])
     expecting(service, 8, [6])
+    service.on_connection(ENDPOINT, "connected")
     accepted(service, 7)
     accepted(service, 8)
+    service.on_connection(ENDPOINT, "disconnected")
+    lost = f"prefill {ENDPOINT} closed its connection"
+    assert sorted((m.room, m.fenced) for _, _, m in port.take() if isinstance(m, RoomStatus)) == [(7, False), (8, False)]
+    assert service.rooms.get(7).reason == lost
+    assert call(service, expect(9, [7], grant(service))) == Ok(req=11)
+    (request,) = [m for _, _, m in port.take() if isinstance(m, RoomRequest)]  # queued for the next connection
+    assert request.room == 9
     new = "n" * 16
+    service.on_connection(ENDPOINT, "connected")
     link(service, welcome(clock=9_000.0, incarnation=new), incarnation=new)
-    reason = f"prefill {ENDPOINT} restarted (incarnation {PREFILL_INCARNATION} -> {new})"
     sent = port.take()
-    by_room = sorted(sent[:-1], key=lambda m: (m[2].room, m[0] == "engine", m[2].fenced))  # the link's rooms come in any order
-    assert by_room == [
-        item for r in (7, 8) for item in (
-            ("link", ENDPOINT, RoomFailed(room=r, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
-            ("engine", ENGINE, status(r, F, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason)),
-            ("engine", ENGINE, status(r, F, fenced=True, code=ErrorCode.PEER_DEAD, reason=reason)))
-    ]
-    assert [m.fenced for _, _, m in sent[:-1] if isinstance(m, RoomStatus)] == [False, False, True, True]  # all fail, then all fence
-    assert sent[-1] == ("link", ENDPOINT, service.hello())
-    assert all(s.state is not SlotState.QUARANTINED for s in service.aux.slots.slots)
+    assert sorted((m.room, m.state, m.fenced) for _, _, m in sent if isinstance(m, RoomStatus)) == [(7, F, True), (8, F, True)]
+    assert not any(isinstance(m, RoomFailed) for _, _, m in sent)  # those two were told when the connection went
+    assert service.rooms.get(9).state is B  # the new process has its request
+    assert ("link", ENDPOINT, service.hello()) in sent
+    assert all(s.state is not SlotState.QUARANTINED for s in service.lanes[0].aux.slots.slots)
     assert service.links[ENDPOINT].incarnation == new and service.links[ENDPOINT].ready
 
 

@@ -11,7 +11,7 @@ import pytest
 from pdxfer.core.config import Config
 from pdxfer.core.plan import Blocks, compat_of, layout_registration
 from pdxfer.roles.prefill import DecodePeer, PrefillService, PrefillWork
-from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, PeerHello, Role, RoomState, compat_hash
+from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, LaneInfo, PeerHello, Rank, Role, RoomState
 from pdxfer.transport import Job
 from pdxfer.core.rooms import Event
 
@@ -20,11 +20,10 @@ from .port import RecordingPort
 
 
 def hello(name: str, sessions: tuple[str, ...]) -> PeerHello:
-    ours = compat_of(*layout_registration(small_layout()), 96)
-    return PeerHello(
-        version=PROTOCOL_VERSION, incarnation=name * 16, session=sessions[0], compat=ours, compat_hash=compat_hash(ours),
-        region_bases=(0,), num_pages=256, aux_base=0, aux_slots=32, memory_version=1, name=f"host/{name}", sessions=sessions,
-    )
+    spec, regions = layout_registration(small_layout())
+    lane = LaneInfo(index=0, rank=Rank(), compat=compat_of(spec, regions, 96), heads_local=spec.heads.local, layers=spec.layers,
+                    region_bases=(0,), num_pages=256, aux_base=0, aux_slots=32, memory_version=1)
+    return PeerHello(version=PROTOCOL_VERSION, incarnation=name * 16, session=sessions[0], lanes=(lane,), name=f"host/{name}", sessions=sessions)
 
 
 SESSIONS = {b"a": ("127.0.0.1:1001", "127.0.0.1:1002"), b"b": ("127.0.0.1:2001",)}

@@ -19,6 +19,7 @@ from pdxfer.core.protocol import (
     RoomAccepted,
     RoomAck,
     RoomFailed,
+    LegRequest,
     RoomRequest,
     RoomState,
     Send,
@@ -70,8 +71,8 @@ def peer(service: PrefillService, message, identity: bytes = DECODE, incarnation
 
 def request(room: int, pages: list[int], *, slot: int = 3, generation: int = 1, lease_ms: int = TRANSFER, writes_until: float = 0.0,
             skip_pages: int = 0) -> RoomRequest:
-    return RoomRequest(room=room, pages=pages_to_bytes(pages), slot=slot, generation=generation, memory_version=1,
-                       lease_ms=lease_ms, writes_until=writes_until, skip_pages=skip_pages)
+    leg = LegRequest(pages=pages_to_bytes(pages), slot=slot, generation=generation, memory_version=1, skip_pages=skip_pages)
+    return RoomRequest(room=room, legs=(leg,), lease_ms=lease_ms, writes_until=writes_until)
 
 
 def chunk(room: int, first: int, pages: list[int]) -> Send:
@@ -107,7 +108,7 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
     hello(service)
     leave = seconds(port.ms + 60_000)
     peer(service, request(7, [5, 6], writes_until=leave))
-    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False))]
+    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,)))]
     assert service.rooms.get(7).state is RoomState.WAITING_FOR_INPUT and port.submitted == []
 
     slot = grant(service)
@@ -118,12 +119,12 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
                            ("peer", DECODE, TransferStarted(room=7))]
     (job,) = port.submitted
     # Pages 1,2 here are contiguous, and 5,6 there: one block of two pages.
-    assert blocks(job) == [(service.kv.bases[0] + 1 * PAGE_BYTES, DST_KV + 5 * PAGE_BYTES, 2 * PAGE_BYTES)]
+    assert blocks(job) == [(service.lanes[0].kv.bases[0] + 1 * PAGE_BYTES, DST_KV + 5 * PAGE_BYTES, 2 * PAGE_BYTES)]
     assert (job.id, job.peer, job.probe) == (7, DECODE_SESSIONS, DST_PROBE)
     assert job.deadline == port.clock() + 30.0  # its lease: sooner than the leave to write
 
     # The KV landed: the aux record goes (A3), its payload read from the engine's slot.
-    service.aux.memory.array[slot.slot * SLOT_BYTES + HEADER_BYTES:][:9] = list(b"aux bytes")
+    service.lanes[0].aux.memory.array[slot.slot * SLOT_BYTES + HEADER_BYTES:][:9] = list(b"aux bytes")
     settle(job)
     assert port.take() == [("peer", DECODE, AuxRecord(
         room=7, slot=3, generation=1, length=9, checksum=zlib.crc32(b"aux bytes"), payload=b"aux bytes", kv_pages=2))]
@@ -144,9 +145,9 @@ def test_a_send_before_the_request_waits_and_the_request_is_accepted_with_input_
 
     peer(service, request(7, [8, 10]))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True, legs=(0,)))]
     (job,) = port.submitted
-    base = service.kv.bases[0]
+    base = service.lanes[0].kv.bases[0]
     assert blocks(job) == [(base + 1 * PAGE_BYTES, DST_KV + 8 * PAGE_BYTES, PAGE_BYTES),
                            (base + 2 * PAGE_BYTES, DST_KV + 10 * PAGE_BYTES, PAGE_BYTES)]
     assert service.rooms.get(7).state is RoomState.TRANSFERRING
@@ -159,7 +160,7 @@ def test_an_inline_room_sends_its_aux_record_with_its_kv_at_once_and_no_other_no
     port = service.port
     hello(service, inline_kv_bytes=64 * 1024)
     for page in (1, 2):
-        service.kv.buffers[0].array[page * PAGE_BYTES:][:PAGE_BYTES] = page
+        service.lanes[0].kv.buffers[0].array[page * PAGE_BYTES:][:PAGE_BYTES] = page
     slot = grant(service)
     assert call(service, send(7, [1, 2], slot)) == Ok(req=10)
     peer(service, request(7, [5, 6]))
@@ -231,7 +232,7 @@ def test_a_room_is_leased_the_shorter_of_its_transfer_timeouts_and_its_aux_write
     settle(kv_job)
     aux_job = port.submitted[-1]
     assert aux_job is not kv_job and aux_job.deadline == kv_job.deadline
-    assert blocks(aux_job) == [(service.aux.slot_address(service.rooms.get(7).slot), DST_AUX + 3 * SLOT_BYTES, HEADER_BYTES)]
+    assert blocks(aux_job) == [(service.lanes[0].aux.slot_address(service.rooms.get(7).slot), DST_AUX + 3 * SLOT_BYTES, HEADER_BYTES)]
 
     peer(service, request(8, [6], slot=4))  # no lease_ms, no leave to write: our own transfer timeout
     assert call(service, send(8, [2], grant(service))) == Ok(req=10)
@@ -259,7 +260,7 @@ def test_a_room_failed_by_its_decode_side_is_fenced_only_once_its_writes_in_flig
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.TIMEOUT, reason=reason, fenced=False)),
         ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.TIMEOUT, reason=reason, pages=1)),
     ]
-    slot = service.aux.slots.slots[service.rooms.get(7).slot]
+    slot = service.lanes[0].aux.slots.slots[service.rooms.get(7).slot]
     assert slot.state is SlotState.QUARANTINED
 
     settle(job, error="cancelled")
@@ -278,7 +279,7 @@ def test_writes_the_pump_abandoned_for_a_failed_room_are_no_proof():
     job.abandoned = True  # a wedged session: its writes may still land
     settle(job, error="stalled")
     assert port.take() == [] and not service.rooms.get(7).fenced
-    assert service.aux.slots.slots[service.rooms.get(7).slot].state is SlotState.QUARANTINED
+    assert service.lanes[0].aux.slots.slots[service.rooms.get(7).slot].state is SlotState.QUARANTINED
 
 
 def test_a_live_room_whose_writes_the_pump_abandoned_fails_unfenced():
@@ -338,8 +339,8 @@ def test_a_silent_decode_daemon_is_declared_dead_after_the_heartbeat_bound_and_e
     hello(service, other, other_incarnation, name="host/e")
     peer(service, request(7, [5]))
     peer(service, request(8, [6]), other, other_incarnation)
-    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False)),
-                           ("peer", other, RoomAccepted(room=8, input_ready=False))]
+    assert port.take() == [("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,))),
+                           ("peer", other, RoomAccepted(room=8, input_ready=False, legs=(0,)))]
     heard = port.ms
     for _ in range(5):  # b answers every second; a says nothing
         run(service, 1_000)
@@ -411,7 +412,7 @@ def test_an_announced_room_hears_waiting_for_input_with_the_decodes_positions_wh
     assert port.take() == []  # nothing to tell yet: bootstrapping
     peer(service, request(7, [5, 6, 7], skip_pages=4))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.WAITING_FOR_INPUT, fenced=False, pages=7, skip_pages=4)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=False))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=False, legs=(0,)))]
     # Announced after the request came: the status at once, before the ok.
     peer(service, request(8, [9], slot=4))
     port.take()
@@ -426,12 +427,12 @@ def test_chunks_are_written_as_they_come_and_the_aux_record_follows_every_chunks
     service = prefill()
     port = service.port
     hello(service)
-    base = service.kv.bases[0]
+    base = service.lanes[0].kv.bases[0]
     assert call(service, chunk(7, 0, [1, 2, 3, 4])) == Ok(req=10)
     assert port.submitted == [] and service.rooms.get(7).state is RoomState.BOOTSTRAPPING
     peer(service, request(7, list(range(4, 14)), skip_pages=2))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=12, skip_pages=2)),
-                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True))]
+                           ("peer", DECODE, RoomAccepted(room=7, input_ready=True, legs=(0,)))]
     (first,) = port.submitted  # positions 2 and 3 (pages 3, 4) to the decode's first two pages
     assert blocks(first) == [(base + 3 * PAGE_BYTES, DST_KV + 4 * PAGE_BYTES, 2 * PAGE_BYTES)]
     assert call(service, chunk(7, 4, [9, 10, 11, 12])) == Ok(req=10)

@@ -9,7 +9,9 @@ pdxfer's: each rank's ``/route`` row names its pdxfer daemon's bootstrap endpoin
 instead of a ZMQ socket; the prefill announces a room when its sender is made, learns the
 decode's prefix from the pushed status and sends each chunk as SGLang hands it over; the
 decode expects the room into its pages and its aux slot. Every status SGLang polls comes
-from those the daemon pushed; a failed room reads as failed only once it is fenced.
+from those the daemon pushed. A failed room reads as failed once no write for it can land;
+on the decode, with SGLang's deferred release on (its default), at once, SGLang then
+holding the room's pages until pdxfer fences it.
 
 SGLang's metadata rows travel as the room's aux record (B5 v1): the prefill copies the
 room's row of every metadata buffer into its aux slot with the last chunk, the decode
@@ -35,9 +37,10 @@ from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get
 
 from ...core import errors
 from ...core.protocol import Rank, Role, RoomState, RoomStatus
+from ...core.topology import local_heads
 from ..shm import locate
 from .layout import registration
-from .link import Link, Rows, daemon_endpoint
+from .link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
 
 log = logging.getLogger("pdxfer.sglang")
 
@@ -61,10 +64,7 @@ def unsupported(args: KVArgs, parallel, mla_hybrid: bool) -> list[str]:
         found.append("decode context parallelism (DCP)")
     if get_disagg().disaggregation_decode_allocation_policy != "early":
         found.append(f"the {get_disagg().disaggregation_decode_allocation_policy!r} decode allocation policy")
-    ranks = {"attention TP": parallel.attn_tp_size, "attention CP": parallel.attn_cp_size, "attention DP": parallel.attn_dp_size, "PP": parallel.pp_size}
-    many = [f"{name} {size}" for name, size in ranks.items() if size > 1]
-    if many:
-        found.append(f"more than one rank per server ({', '.join(many)}): a daemon serves one rank so far")
+    found += unsupported_ranks(Rank(dp=parallel.attn_dp_size, pp=parallel.pp_size, tp=parallel.attn_tp_size, cp=parallel.attn_cp_size))
     return found
 
 
@@ -81,7 +81,7 @@ def _model_facts(args: KVArgs, server_args, attn_tp_size: int, mla: bool) -> tup
     if mla:
         return dtype, 1, 1
     total = model.get_total_num_kv_heads()
-    return dtype, max(1, total // attn_tp_size), total
+    return dtype, local_heads(total, attn_tp_size), total
 
 
 def _failure(status: RoomStatus) -> str:
@@ -134,17 +134,6 @@ class PdxferKVManager(CommonKVManager):
         self.local_ip, self.rank_port = self.link.bootstrap
         super().register_to_bootstrap()
 
-    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        if not super().try_ensure_parallel_info(bootstrap_addr):
-            return False
-        info = self.prefill_info_table[bootstrap_addr]
-        if (info.attn_tp_size, info.attn_cp_size, info.pp_size) != (1, 1, 1):
-            raise RuntimeError(
-                f"pdxfer: the prefill at {bootstrap_addr} runs attention TP {info.attn_tp_size}, CP {info.attn_cp_size}, "
-                f"PP {info.pp_size}; this backend moves KV between single-rank servers so far"
-            )
-        return True
-
     def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice, is_last_chunk: bool, aux_index=None,
                              state_indices=None, num_kv_tokens=None, wait_event=None, indices_event=None, trace_ctx=None) -> None:
         """One chunk from CommonKVSender.send: its pages go to the daemon at once. Page
@@ -181,7 +170,8 @@ class PdxferKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Failed)
 
     def forget(self, room: int) -> None:
-        """SGLang is done with the room: stop it if it is still live, let the daemon recycle it."""
+        """SGLang is done with the room: stop it if it is still live, let the daemon
+        recycle it once no write for it can land (Link.release)."""
         if not self.link.quiet(room):
             self.link.abort(room, "SGLang dropped the request")
         self.link.release(room)
@@ -190,6 +180,7 @@ class PdxferKVManager(CommonKVManager):
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """A held decode room's pages may be reused once pdxfer says no write can land."""
+        self.link.tidy()
         return self.link.quiet(bootstrap_room)
 
 
@@ -245,11 +236,13 @@ class PdxferKVReceiver(CommonKVReceiver):
             raise NotImplementedError("Host KV destinations are not supported")
         prefix = decode_prefix_len or 0
         page_size = mgr.kv_args.page_size
-        source = self.bootstrap_infos[0]
+        info = self.prefill_info
         try:
             if prefix % page_size:
                 raise errors.BadMessage(f"a decode prefix of {prefix} tokens is not a whole number of {page_size}-token pages")
-            mgr.link.expect(room, f"{source['rank_ip']}:{source['rank_port']}", kv_indices, prefix // page_size)
+            # The daemon works out from both sides' sizes which prefill ranks write which heads here.
+            source = prefill_daemon([(row["rank_ip"], row["rank_port"]) for row in self.bootstrap_infos])
+            mgr.link.expect(room, source, kv_indices, prefix // page_size, prefill_sizes=Rank(tp=info.attn_tp_size, pp=info.pp_size))
         except errors.PdxferError as exc:
             mgr.record_failure(room, f"pdxfer [{exc.code.value}] {exc.message}")
             mgr.update_status(room, KVPoll.Failed)
@@ -258,6 +251,7 @@ class PdxferKVReceiver(CommonKVReceiver):
         self.init_time = time.time()
 
     def _poll(self) -> KVPoll:
+        self.kv_mgr.link.tidy()
         if self.conclude_state is None and self.aux_index is not None:
             self._absorb()
         return super()._poll()
@@ -276,7 +270,9 @@ class PdxferKVReceiver(CommonKVReceiver):
                 return
             self._record_in = True
             mgr.update_status(room, KVPoll.Success)
-        elif status.state is RoomState.FAILED and status.fenced:
+        elif status.state is RoomState.FAILED and (status.fenced or mgr.enable_deferred_decode_kv_release):
+            # Unfenced, the request fails now all the same: SGLang holds its pages and
+            # row (deferred release) until is_abort_release_safe says pdxfer fenced it.
             mgr.record_failure(room, _failure(status))
             mgr.update_status(room, KVPoll.Failed)
 

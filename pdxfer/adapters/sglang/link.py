@@ -25,7 +25,6 @@ from .layout import Registration
 
 log = logging.getLogger("pdxfer.sglang")
 
-ENDPOINT_ENV = "PDXFER_ENDPOINT"
 RECONNECT_SECONDS = 1.0
 SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not one per room
 
@@ -33,9 +32,37 @@ SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not
 def daemon_endpoint(role: str, env=os.environ) -> str:
     """Where this rank's daemon listens: $PDXFER_ENDPOINT, else where a daemon of this
     role beside it listens, read from the same PDXFER_* settings ``pdxfer serve`` reads."""
-    if env.get(ENDPOINT_ENV):
-        return env[ENDPOINT_ENV]
+    if env.get(config.ENDPOINT_ENV):
+        return env[config.ENDPOINT_ENV]
     return config.load({"role": role}, env=env).engine_address
+
+
+def unsupported_ranks(sizes: Rank) -> list[str]:
+    """The parallel sizes of a server this backend cannot carry yet, as a user would
+    name them. Attention TP it can: the daemon serves every rank of the server and
+    slices heads between prefill and decode ranks (core/topology.py)."""
+    found = []
+    if sizes.cp > 1:
+        found.append(f"attention context parallelism (CP {sizes.cp}): the daemon refuses it")
+    if sizes.dp > 1:
+        found.append(f"attention data parallelism (DP {sizes.dp}): the daemons match a room's legs to prefill ranks by TP and PP rank only")
+    if sizes.pp > 1:
+        found.append(f"pipeline parallelism (PP {sizes.pp}): the backend does not yet number a stage's layers within the whole model")
+    return found
+
+
+def prefill_daemon(rows: Sequence[tuple[str, int]]) -> str:
+    """The prefill daemon a decode rank's room comes from: every prefill rank it reads
+    (SGLang's /route rows, ``(rank_ip, rank_port)``) must name the same one, which
+    serves them all."""
+    daemons = sorted(set(rows))
+    if len(daemons) != 1:
+        raise errors.Unsupported(
+            f"the prefill ranks this decode rank reads register {len(daemons)} pdxfer daemons "
+            f"({', '.join(f'{h}:{p}' for h, p in daemons)}); one daemon must serve every rank of a prefill server"
+        )
+    host, port = daemons[0]
+    return f"{host}:{port}"
 
 
 class Rows(NamedTuple):
@@ -94,7 +121,7 @@ class Link:
             except errors.PdxferError as exc:
                 raise RuntimeError(
                     f"pdxfer: no usable {self.role.value} daemon at {self.endpoint} ({exc}); start one beside this "
-                    f"server (pdxfer serve --role {self.role.value}) or point {ENDPOINT_ENV} at it"
+                    f"server (pdxfer serve --role {self.role.value}) or point {config.ENDPOINT_ENV} at it"
                 ) from exc
 
     def _connect(self) -> None:
@@ -108,6 +135,9 @@ class Link:
             raise
         if welcome.bootstrap:
             host, _, port = welcome.bootstrap.rpartition("//")[2].rpartition(":")
+            if self.bootstrap[1] and self.bootstrap != (host, int(port)):
+                log.error("pdxfer prefill daemon at %s came back with bootstrap %s:%s, not %s:%d as SGLang's /route row says: "
+                          "decode servers cannot reach it; restart it with --bootstrap-port %d", self.endpoint, host, port, *self.bootstrap, self.bootstrap[1])
             self.bootstrap = (host, int(port))
         self._client = client
         log.info("pdxfer %s daemon at %s: connected, KV and aux registered", self.role.value, self.endpoint)
@@ -117,7 +147,7 @@ class Link:
         there is none."""
         if self._client is None:
             if self._clock() < self._retry_at:
-                raise errors.DaemonGone(f"the daemon at {self.endpoint} is gone; trying again shortly")
+                raise errors.DaemonGone(f"the daemon at {self.endpoint} went away; connecting again every {RECONNECT_SECONDS:g}s")
             self._retry_at = self._clock() + RECONNECT_SECONDS
             self._connect()
         return self._client
@@ -128,7 +158,7 @@ class Link:
             self._client.close()
             self._client = None
             self._retry_at = self._clock() + RECONNECT_SECONDS
-        reason = f"the pdxfer daemon at {self.endpoint} went away: {exc}"
+        reason = exc.message
         for room in self._rooms:
             self._lost[room] = RoomStatus(req=0, room=room, state=RoomState.FAILED, code=ErrorCode.PEER_UNREACHABLE, reason=reason, fenced=True)
         self._rooms.clear()
@@ -168,10 +198,13 @@ class Link:
 
         self._do(post)
 
-    def expect(self, room: int, bootstrap: str, pages, skip_pages: int) -> None:
+    def expect(self, room: int, bootstrap: str, pages, skip_pages: int, prefill_sizes: Rank | None = None) -> None:
+        """A decode room from the prefill daemon at ``bootstrap``, whose server runs
+        ``prefill_sizes`` (TP, PP; one rank if None)."""
+
         def post(client: Client) -> None:
             slot = client.alloc_slot()
-            client.expect(room, bootstrap, pages, slot, skip_pages=skip_pages, wait=False)
+            client.expect(room, bootstrap, pages, slot, skip_pages=skip_pages, prefill_sizes=prefill_sizes, wait=False)
             self._rooms[room] = slot
 
         self._do(post)
@@ -200,7 +233,7 @@ class Link:
             return self._client.aux.read(self._rooms[room], room)
 
     def quiet(self, room: int) -> bool:
-        """Whether no write for ``room`` can land any more: never posted, settled, or lost."""
+        """Whether no write for ``room`` can land any more: never posted, released, settled, or lost."""
         status = self.status(room)
         if status is None:
             with self._lock:
@@ -230,6 +263,12 @@ class Link:
                 log.debug("abort of room %d: %s", room, exc)
 
     def release(self, room: int) -> None:
+        """Recycle ``room`` once no write for it can land: now if none can, else when it
+        settles (`tidy`). Until then `quiet` says no: SGLang clears a failed decode room
+        (failure_exception) before its deferred release asks whether the pages are safe."""
+        if not self.quiet(room):
+            self.drop(room)
+            return
         with self._lock:
             self._lost.pop(room, None)
             self._dropping.discard(room)

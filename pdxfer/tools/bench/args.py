@@ -26,6 +26,14 @@ each room's KV pages from a prefill pool to a decode pool on loopback:
             pdxfer.client; a room runs from the engine's send()/expect() (the later
             of the two) until the decode engine sees Success
 
+--topology P:D runs a prefill engine of TP P and a decode engine of TP D: a process
+per rank, each rank's pool holding its share of --heads KV heads (--page-order), one
+daemon per side serving all of its ranks; the baseline writes the same legs' blocks
+between the same per-rank pools, and pdxfer's control messages per room (room_request
+in at the prefill daemon, room_accepted in at the decode daemon) are reported, which
+must not grow with the ranks. --compare-equal-tp also runs pdxfer at D:D on the same
+rooms and gives the GB/s of P:D over it. The wire runs at 1:1 only.
+
 Room page lists come from --seed; blocks from pdxfer.core.plan. Pools hold every room's
 pages, so sources are filled (and pdxfer's aux records made) before and destinations
 checked (every byte, every room, every system) after the timed window; any mismatch
@@ -82,6 +90,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
     return value
+
+
+def topology(text: str) -> tuple[int, int]:
+    """'P:D' -> (prefill TP, decode TP)."""
+    p, sep, d = text.partition(":")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not P:D (prefill TP : decode TP, e.g. 2:1)")
+    return int(p), int(d)
 
 
 def placement(text: str) -> str:
@@ -164,6 +180,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how rooms' pages lie in the pools, on both sides, as an engine's allocator hands them out: "
                    "contiguous (each room one run of pages), scattered (page by page, so nothing coalesces) or in runs "
                    f"of N consecutive pages (default: {DEFAULT_PLACEMENT})")
+    g.add_argument("--topology", type=topology, default=(1, 1), metavar="P:D",
+                   help="TP size of the prefill engine and of the decode engine: a process per rank, each with its own pool "
+                   "holding its share of --heads heads, one daemon per side for all its ranks; D above P is fan-out, a prefill rank writing to "
+                   "several decode ranks (default: 1:1)")
+    g.add_argument("--heads", type=positive_int, default=8, metavar="N",
+                   help="KV heads of the model, split over each engine's ranks; must divide --token-bytes and "
+                   "--small-token-bytes and be divisible by P and D (default: 8)")
+    g.add_argument("--page-order", choices=("head_major", "token_major"), default="head_major",
+                   help="how a rank's page holds its heads' tokens: head_major ([head][token], vLLM's; a leg's slice of "
+                   "heads is one block per page and region) or token_major ([token][head], SGLang's; a block per token) "
+                   "(default: head_major)")
+    g.add_argument("--compare-equal-tp", action="store_true",
+                   help="also run pdxfer at D:D on the same rooms (the same bytes per room) and report the GB/s of "
+                   "--topology P:D over it, per workload")
+    g.add_argument("--expect-batch-ms", type=float, default=None, metavar="MS",
+                   help="the decode daemon's --expect-batch-ms: how long a room's request waits for the engine's other "
+                   "ranks to expect it too, so that one request carries every rank's legs; it leaves at once when they all "
+                   "have (default: the daemon's default)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",

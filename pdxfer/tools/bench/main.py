@@ -10,6 +10,7 @@ and prints the results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -94,11 +95,27 @@ def _pages(mib_range: tuple[float, float], page_bytes: int) -> tuple[int, int]:
     return low, high
 
 
+EQUAL_TP = "-equal-tp"  # suffix of the workloads --compare-equal-tp adds: the same rooms at D:D
+
+
+def topology_refusal(args: argparse.Namespace) -> str:
+    """Why --topology, --heads and the token sizes do not split into ranks, or ""."""
+    p, d = args.topology
+    if args.heads % p or args.heads % d:
+        return f"--heads {args.heads} must be divisible by both TP sizes of --topology {p}:{d}"
+    for flag, nbytes in (("--token-bytes", args.token_bytes), ("--small-token-bytes", args.small_token_bytes)):
+        if nbytes % args.heads:
+            return f"{flag} {nbytes} is not a whole number of bytes per head for --heads {args.heads}"
+    return ""
+
+
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
-    big = dict(layers=args.layers, page_size=args.page_size, token_bytes=args.token_bytes)
+    p, d = args.topology
+    ranks = dict(prefill_tp=p, decode_tp=d, heads=args.heads, page_order=args.page_order)
+    big = dict(layers=args.layers, page_size=args.page_size, token_bytes=args.token_bytes, **ranks)
     index_bytes = 2 * args.layers * args.page_size * args.token_bytes
     tiny = dict(layers=args.small_layers, page_size=args.small_page_size, token_bytes=args.small_token_bytes,
-                min_pages=int(args.small_pages[0]), max_pages=int(args.small_pages[1]))
+                min_pages=int(args.small_pages[0]), max_pages=int(args.small_pages[1]), **ranks)
     out = []
     if "large" in args.workloads:
         low, high = _pages(args.large_mib, index_bytes)
@@ -112,6 +129,8 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
         for level in args.sweep:
             if not ("small" in args.workloads and level == args.small_in_flight):
                 out.append(Workload(f"sweep-{level}", max(args.sweep_rooms, 8 * level), level, **tiny))
+    if args.compare_equal_tp and p != d:  # the same rooms (plans are seeded by their sizes), every rank pair equal
+        out += [dataclasses.replace(w, name=w.name + EQUAL_TP, prefill_tp=d) for w in out]
     return out
 
 
@@ -123,7 +142,10 @@ def sweep_points(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 
 def systems_for(workload: Workload, systems: list[str]) -> list[str]:
-    return [s for s in systems if s != "wire" or workload.name in WIRE_WORKLOADS]
+    """The wire is one stream between one rank on each side, and an equal-TP twin is
+    there for the GB/s of the others: the wire runs at 1:1 on its workloads only."""
+    one_rank = (workload.prefill_tp, workload.decode_tp) == (1, 1) and not workload.name.endswith(EQUAL_TP)
+    return [s for s in systems if s != "wire" or (workload.name in WIRE_WORKLOADS and one_rank)]
 
 
 def apis_for(workload: Workload, choice: str) -> list[str]:
@@ -190,6 +212,9 @@ def memory_shortfall(needs: dict[str, int], room: int) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     if args.baseline_engines is None:  # the fair default: as many engines as a pdxfer daemon has
         args.baseline_engines = args.tcp_engines
+    if refusal := topology_refusal(args):
+        print(f"pdxfer bench: {refusal}", file=sys.stderr)
+        return 2
     workloads = build_workloads(args)
     if not workloads:
         print("pdxfer bench: nothing to run", file=sys.stderr)
@@ -258,6 +283,7 @@ def run_all(args: argparse.Namespace, workloads: list[Workload], plans: dict, wo
         os.makedirs(run_dir, exist_ok=True)
         opts = RunOptions(workdir=run_dir, timeout=args.timeout, aux_path=args.aux_path, api=api or "submit",
                           window=args.window, corrupt=system in args.corrupt, inline_kv_bytes=args.inline_kv_bytes,
+                          expect_batch_ms=args.expect_batch_ms,
                           tcp_lanes=args.tcp_lanes, tcp_engines=args.tcp_engines, baseline_engines=args.baseline_engines)
 
         def progress(done: int, nbytes: int, mismatches: int) -> None:
@@ -315,10 +341,28 @@ def build_report(args: argparse.Namespace, workloads: list[Workload], plans: dic
             "gbps_by_repeat": {"pdxfer/baseline": by_repeat(by_key["pdxfer"], by_key[best], "gbps")
                                if best and "pdxfer" in by_key else []},
         }
+    for w in workloads:  # GB/s at P:D over the same rooms at D:D, pdxfer's and the baseline's
+        twin = runs.get(w.name + EQUAL_TP)
+        if twin:
+            report["workloads"][w.name]["equal_tp"] = {
+                "workload": w.name + EQUAL_TP, "topology": f"{w.decode_tp}:{w.decode_tp}",
+                **{system: equal_tp_ratio(runs[w.name], twin, system) for system in ("pdxfer", "baseline")},
+            }
     if args.plan_indices:
         report["planning"] = planning_figures(args, report)
     report["targets"] = targets(report)
     return report
+
+
+def equal_tp_ratio(runs: dict[str, list[RunResult]], twin: dict[str, list[RunResult]], system: str) -> dict:
+    """A system's median GB/s over its median at equal TP (the baseline: each with its
+    fastest API), and repeat by repeat; {} where either was not run."""
+    key = {"pdxfer": "pdxfer", "baseline": pick_baseline(runs) if any(k.startswith("baseline:") for k in runs) else ""}[system]
+    twin_key = pick_baseline(twin) if system == "baseline" and any(k.startswith("baseline:") for k in twin) else system
+    if key not in runs or twin_key not in twin:
+        return {}
+    median = lambda rs: _median([r.figures()["gbps"] for r in rs if not r.error])  # noqa: E731
+    return {"gbps": _ratio(median(runs[key]), median(twin[twin_key])), "by_repeat": by_repeat(runs[key], twin[twin_key], "gbps")}
 
 
 def planning_figures(args: argparse.Namespace, report: dict) -> dict:

@@ -3,12 +3,18 @@ from a seed, so that the raw reference runs and pdxfer move the same blocks.
 
 A plan is saved to a small ``.npz`` file that every benchmark process reads: the
 simulated engines (``python -m pdxfer.tools.sim ... --plan FILE``), the raw transfer-engine
-processes and the socket processes (``python -m pdxfer.tools.bench.raw``). Blocks come from
-``pdxfer.core.plan.plan_blocks``, the function the prefill daemon plans with.
+processes and the socket processes (``python -m pdxfer.tools.bench.raw``).
 
 Pages are never reused within a plan: the pools hold every room's pages, so sources
 can be filled before the first room and destinations checked after the last one,
 outside the timed window.
+
+A workload runs between a prefill engine of TP ``prefill_tp`` and a decode engine of TP
+``decode_tp`` (``--topology P:D``): every rank has a pool of its own holding its share of
+the model's ``heads`` KV heads (pdxfer.core.topology), the ranks of one engine use the
+same page indices, and a room's blocks are its legs' (pdxfer.core.topology's legs,
+pdxfer.core.plan.plan_leg_blocks: what the prefill daemon plans). At 1:1 the one leg
+moves whole pages, coalesced (plan_blocks).
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import msgspec
 import numpy as np
 
-from ...core.plan import Blocks, check_pages, layout_regions, pages_from_bytes, pages_to_bytes, plan_blocks, region_bases
-from ...core.protocol import KVLayout, Layout
-
+from ...core.plan import (Blocks, canonical, check_pages, layout_registration, layout_regions, pages_from_bytes, pages_to_bytes,
+                          plan_blocks, plan_leg_blocks, region_bases)
+from ...core.protocol import Heads, KVLayout, KVRegion, KVSpec, Layout, PageOrder
+from ...core.topology import first_head, legs_for_decode_rank, local_heads
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,28 @@ class Workload:
     token_bytes: int  # bytes per token per layer, in each of K and V
     min_pages: int
     max_pages: int
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    heads: int = 1  # KV heads of the model, split over each engine's TP ranks
+    page_order: str = PageOrder.TOKEN_MAJOR.value
+
+    @property
+    def topology(self) -> str:
+        return f"{self.prefill_tp}:{self.decode_tp}"
+
+    def tp(self, side: str) -> int:
+        return self.prefill_tp if side == "prefill" else self.decode_tp
+
+    def rank_layout(self, num_pages: int, side: str) -> KVLayout:
+        """The pool of one rank of ``side``: its share of every page's heads."""
+        return KVLayout(layout=Layout.MHA, num_layers=self.layers, num_pages=num_pages, page_size=self.page_size,
+                        token_bytes=self.token_bytes * local_heads(self.heads, self.tp(side)) // self.heads, dtype="uint8")
+
+    def rank_registration(self, num_pages: int, side: str) -> tuple[KVSpec, tuple[KVRegion, ...]]:
+        return rank_registration(self.rank_layout(num_pages, side), self.heads, self.tp(side), PageOrder(self.page_order))
+
+    def share(self, side: str, rank: int) -> "HeadShare":
+        return HeadShare.of_rank(self.heads, self.tp(side), rank, self.page_size, PageOrder(self.page_order))
 
     @property
     def region_page_bytes(self) -> int:
@@ -55,12 +85,58 @@ class Workload:
         low, high = self.min_pages * self.page_index_bytes, self.max_pages * self.page_index_bytes
         size = (f"{self.min_pages}-{self.max_pages} pages ({_size(low)}-{_size(high)})" if high > low
                 else f"{self.min_pages} page{'s' * (self.min_pages > 1)} ({_size(low)})")
+        ranks = (f"; TP {self.topology}, {self.heads} KV heads, {self.page_order.replace('_', '-')}"
+                 if (self.prefill_tp, self.decode_tp) != (1, 1) else "")
         return (f"{self.rooms} rooms of {size}, {self.in_flight} in flight; per-layer K/V, {self.layers} layers, "
-                f"{self.region_page_bytes // 1024} KiB pages")
+                f"{self.region_page_bytes // 1024} KiB pages{ranks}")
 
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """The heads [start, start + count) of ``total`` one rank holds of every page: what
+    of a page of the whole model (every head) lies in that rank's page, in its order."""
+
+    total: int = 1
+    start: int = 0
+    count: int = 1
+    page_size: int = 1
+    head_major: bool = False
+
+    @classmethod
+    def of_rank(cls, total_heads: int, tp: int, rank: int, page_size: int, page_order: PageOrder) -> "HeadShare":
+        """What TP rank ``rank`` of ``tp`` holds (pdxfer.core.topology)."""
+        return cls(total_heads, first_head(total_heads, tp, rank), local_heads(total_heads, tp), page_size,
+                   page_order is PageOrder.HEAD_MAJOR)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
+
+    def of(self, pages: np.ndarray) -> np.ndarray:
+        """[n, whole page bytes] -> [n, this rank's page bytes]."""
+        if self.whole:
+            return pages
+        n, end = pages.shape[0], self.start + self.count
+        if self.head_major:  # [head][token][unit]
+            return pages.reshape(n, self.total, -1)[:, self.start : end].reshape(n, -1)
+        return pages.reshape(n, self.page_size, self.total, -1)[:, :, self.start : end].reshape(n, -1)
+
+
+WHOLE = HeadShare()
+
+
+def rank_registration(layout: KVLayout, total_heads: int, tp: int, page_order: PageOrder) -> tuple[KVSpec, tuple[KVRegion, ...]]:
+    """A pool pdxfer's layout describes, holding one TP rank's heads of ``total_heads``
+    (``layout.token_bytes`` is that rank's bytes per token), registered with its heads
+    and page order: what a rank of the benchmark's engines registers."""
+    spec, regions = layout_registration(layout)
+    local = local_heads(total_heads, tp)
+    heads = Heads(local=local, total=total_heads, bytes_per_token_head=layout.token_bytes // local)
+    return msgspec.structs.replace(spec, heads=heads, page_order=page_order), regions
 
 
 @dataclass(frozen=True)
@@ -84,12 +160,28 @@ class Plan:
     def room_bytes(self) -> np.ndarray:
         return np.array([r.src.size for r in self.rooms], np.int64) * self.workload.page_index_bytes
 
-    def blocks(self, src_base: int = 0, dst_base: int = 0) -> list[Blocks]:
-        """Each room's blocks between pools at these addresses (offsets from the pool
-        start when both are 0), exactly as the prefill daemon plans them."""
-        regions = layout_regions(self.layout)
-        src_bases, dst_bases = region_bases(src_base, regions), region_bases(dst_base, regions)
-        return [plan_blocks(regions, src_bases, dst_bases, r.src, r.dst) for r in self.rooms]
+    def rank_layout(self, side: str) -> KVLayout:
+        return self.workload.rank_layout(self.num_pages, side)
+
+    def blocks(self, src_bases: tuple[int, ...] = (), dst_bases: tuple[int, ...] = ()) -> list[Blocks]:
+        """Each room's blocks, every leg of every decode rank, between the ranks' pools
+        at these addresses (prefill ranks', decode ranks'; offsets from each pool's
+        start when left out), exactly as the prefill daemon plans them."""
+        w = self.workload
+        src_bases, dst_bases = src_bases or (0,) * w.prefill_tp, dst_bases or (0,) * w.decode_tp
+        sides = {side: canonical(w.rank_registration(self.num_pages, side)[1]) for side in ("prefill", "decode")}
+        bases = {side: [[base + r.offset for r in sides[side]] for base in at] for side, at in (("prefill", src_bases), ("decode", dst_bases))}
+        heads = {side: local_heads(w.heads, w.tp(side)) for side in sides}
+        legs = [leg for d in range(w.decode_tp)
+                for leg in legs_for_decode_rank(w.prefill_tp, w.decode_tp, w.heads, d, False, num_layers=w.layers)]
+        out = []
+        for r in self.rooms:
+            parts = [plan_leg_blocks(sides["prefill"], bases["prefill"][leg.prefill_tp], heads["prefill"],
+                                     sides["decode"], bases["decode"][leg.decode_tp], heads["decode"], w.page_size,
+                                     PageOrder(w.page_order), leg.src_head_start, leg.head_count, leg.dst_head_start,
+                                     (leg.layer_start, leg.layer_end), r.src, r.dst) for leg in legs]
+            out.append(parts[0] if len(parts) == 1 else Blocks.of(*(np.concatenate([getattr(b, f) for b in parts]) for f in ("src", "dst", "length"))))
+        return out
 
     def save(self, path: str) -> None:
         offsets = np.cumsum([0] + [r.src.size for r in self.rooms])

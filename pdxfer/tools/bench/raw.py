@@ -4,8 +4,9 @@ way engines make them (pdxfer.client.KVPool: /dev/shm, pre-faulted) and filled a
 checked with the simulated engines' pattern (pdxfer.tools.sim):
 
 * baseline: two raw Mooncake transfer engines. ``te-target`` registers the
-  destination pool and waits; ``te-writer`` writes every room's blocks, exactly as
-  the prefill daemon plans them, with one of the engine's APIs (``--api``), at most
+  destination pools (one per decode rank) and waits; ``te-writer`` registers the
+  source pools (one per prefill rank) and writes every room's blocks, every leg's,
+  exactly as the prefill daemon plans them, with one of the engine's APIs (``--api``), at most
   ``--in-flight`` rooms and ``--window`` writes in flight. A room is done when its
   last write completed at the writer. ``--engines N`` gives each process N engines
   and spreads the writes over them as pdxfer's daemons do (pdxfer.core.paths.stripes):
@@ -15,7 +16,7 @@ checked with the simulated engines' pattern (pdxfer.tools.sim):
   recvmsg_into(). This is the most the box's network path carries, with no protocol.
 
     python -m pdxfer.tools.bench.raw te-target --plan FILE
-    python -m pdxfer.tools.bench.raw te-writer --plan FILE --peer HOST:PORT[,HOST:PORT...] --dst-base ADDR [...]
+    python -m pdxfer.tools.bench.raw te-writer --plan FILE --peer HOST:PORT[,HOST:PORT...] --dst-base ADDR[,ADDR...] [...]
 
 Each prints JSON lines on stdout: ``ready`` (with what its peer needs), ``progress``
 and one ``summary``. Destinations are checked after the timed window; every room
@@ -80,25 +81,48 @@ def save_timings(path: str, rooms, starts, ends) -> None:
                  end=np.asarray(ends, np.float64), ok=np.ones(len(rooms), bool))
 
 
-def check_rooms(plan: Plan, pool: KVPool, corrupt: bool) -> int:
-    """Rooms whose destination pages do not hold their pattern."""
-    arrays = pool.arrays()
+def check_rooms(plan: Plan, pools: list[KVPool], corrupt: bool) -> int:
+    """Rooms whose destination pages (in every decode rank's pool) do not hold their pattern."""
+    ranks = [(pool.arrays(), plan.workload.share("decode", d)) for d, pool in enumerate(pools)]
     if corrupt and plan.rooms:
-        corrupt_one_byte(arrays, plan.rooms[0].dst)
+        corrupt_one_byte(ranks[0][0], plan.rooms[0].dst)
     bad = 0
     for r in plan.rooms:
-        if not pages_match(arrays, r.room, r.dst):
+        if not all(pages_match(arrays, r.room, r.dst, share) for arrays, share in ranks):
             bad += 1
             print(f"room {r.room}: destination bytes differ from the source", file=sys.stderr)
     return bad
 
 
-def source_pool(plan: Plan) -> KVPool:
-    pool = KVPool.create(plan.layout)
-    arrays = pool.arrays()
-    for r in plan.rooms:
-        fill_pages(arrays, r.room, r.src)
-    return pool
+def source_pools(plan: Plan) -> list[KVPool]:
+    """A pool per prefill rank, holding its heads of every room's pattern."""
+    pools = []
+    try:
+        for p in range(plan.workload.prefill_tp):
+            pools.append(pool := KVPool.create(plan.rank_layout("prefill")))
+            arrays, share = pool.arrays(), plan.workload.share("prefill", p)
+            for r in plan.rooms:
+                fill_pages(arrays, r.room, r.src, share)
+    except BaseException:
+        close_all(pools)
+        raise
+    return pools
+
+
+def destination_pools(plan: Plan) -> list[KVPool]:
+    pools = []
+    try:
+        for _ in range(plan.workload.decode_tp):
+            pools.append(KVPool.create(plan.rank_layout("decode")))
+    except BaseException:
+        close_all(pools)
+        raise
+    return pools
+
+
+def close_all(pools: list[KVPool]) -> None:
+    for pool in pools:
+        pool.close()
 
 
 def start_engines(count: int) -> list[tuple[object, str]]:
@@ -115,11 +139,12 @@ def start_engines(count: int) -> list[tuple[object, str]]:
     return out
 
 
-def register(engines: list[tuple[object, str]], pool: KVPool) -> None:
+def register(engines: list[tuple[object, str]], pools: list[KVPool]) -> None:
     for engine, _ in engines:
-        rc = engine.register_memory(pool.memory.address, pool.memory.size)
-        if rc != 0:
-            raise SystemExit(f"transfer engine refused to register {pool.memory.size} bytes (code {rc})")
+        for pool in pools:
+            rc = engine.register_memory(pool.memory.address, pool.memory.size)
+            if rc != 0:
+                raise SystemExit(f"transfer engine refused to register {pool.memory.size} bytes (code {rc})")
 
 
 def routes(engines: list[tuple[object, str]], peer: list[str]) -> list[tuple[object, str]]:
@@ -134,15 +159,15 @@ def te_target(args) -> int:
     plan = Plan.load(args.plan)
     engines = start_engines(args.engines)
     idle = proc_sample()
-    pool = KVPool.create(plan.layout)
-    register(engines, pool)
+    pools = destination_pools(plan)
     try:
-        emit("ready", sessions=[session for _, session in engines], base=pool.memory.address, idle=idle)
+        register(engines, pools)
+        emit("ready", sessions=[session for _, session in engines], bases=[pool.memory.address for pool in pools], idle=idle)
         if sys.stdin.readline().strip() != "verify":  # the bench went away
             return 1
-        bad = check_rooms(plan, pool, args.corrupt)
+        bad = check_rooms(plan, pools, args.corrupt)
     finally:
-        pool.close()
+        close_all(pools)
     emit("summary", role="te-target", rooms=len(plan.rooms), mismatches=bad)
     return 1 if bad else 0
 
@@ -314,10 +339,12 @@ def te_writer(args) -> int:
     plan = Plan.load(args.plan)
     engines = start_engines(args.engines)
     idle = proc_sample()
-    pool = source_pool(plan)
+    pools = source_pools(plan)
     try:
-        register(engines, pool)
-        jobs = [(b.src.tolist(), b.dst.tolist(), b.length.tolist()) for b in plan.blocks(pool.memory.address, args.dst_base)]
+        register(engines, pools)
+        dst_bases = tuple(int(x) for x in args.dst_base.split(","))
+        jobs = [(b.src.tolist(), b.dst.tolist(), b.length.tolist())
+                for b in plan.blocks(tuple(pool.memory.address for pool in pools), dst_bases)]
         emit("ready", idle=idle)
         if sys.stdin.readline().strip() != "go":
             return 1
@@ -327,7 +354,7 @@ def te_writer(args) -> int:
         submitted = WRITERS[args.api](ways, jobs, args.in_flight, args.window, tally)
         after = proc_sample()
     finally:
-        pool.close()
+        close_all(pools)
     save_timings(args.timings, [r.room for r in plan.rooms], tally.starts, tally.ends)
     emit("summary", role="te-writer", api=args.api, rooms=len(jobs), done=tally.done, bytes=tally.bytes, blocks=submitted,
          before=before, after=after)
@@ -371,15 +398,16 @@ def _views(memory: memoryview, starts: np.ndarray, lengths: np.ndarray) -> list[
 
 def wire_recv(args) -> int:
     plan = Plan.load(args.plan)
-    pool = KVPool.create(plan.layout)
+    pools = destination_pools(plan)
     try:
-        return _wire_recv(args, plan, pool)
+        return _wire_recv(args, plan, pools)
     finally:
-        pool.close()
+        close_all(pools)
 
 
-def _wire_recv(args, plan: Plan, pool: KVPool) -> int:
-    memory = memoryview(pool.memory.array)
+def _wire_recv(args, plan: Plan, pools: list[KVPool]) -> int:
+    """One stream into one pool: the wire runs between one rank on each side."""
+    memory = memoryview(pools[0].memory.array)
     server = socket.create_server(("127.0.0.1", 0))
     server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
     emit("ready", port=server.getsockname()[1])
@@ -395,7 +423,7 @@ def _wire_recv(args, plan: Plan, pool: KVPool) -> int:
     conn.close()
     save_timings(args.timings, [r.room for r in plan.rooms], tally.starts, tally.ends)
     del memory
-    bad = check_rooms(plan, pool, args.corrupt)
+    bad = check_rooms(plan, pools, args.corrupt)
     emit("summary", role="wire-recv", rooms=len(plan.rooms), done=tally.done, bytes=tally.bytes,
          blocks=int(sum(len(b) for b in plan.blocks())), mismatches=bad)
     return 1 if bad else 0
@@ -403,9 +431,9 @@ def _wire_recv(args, plan: Plan, pool: KVPool) -> int:
 
 def wire_send(args) -> int:
     plan = Plan.load(args.plan)
-    pool = source_pool(plan)
+    pools = source_pools(plan)
     try:
-        memory = memoryview(pool.memory.array)
+        memory = memoryview(pools[0].memory.array)
         sock = socket.create_connection(("127.0.0.1", args.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -415,7 +443,7 @@ def wire_send(args) -> int:
             send_views(sock, views)
         sock.close()
     finally:
-        pool.close()
+        close_all(pools)
     emit("summary", role="wire-send", rooms=len(plan.rooms))
     return 0
 
@@ -436,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--corrupt", action="store_true", help="flip one destination byte before the check (testing aid)")
         if name == "te-writer":
             s.add_argument("--peer", required=True, help="te-target's transfer engine sessions, host:port[,host:port...]")
-            s.add_argument("--dst-base", type=int, required=True, help="address of te-target's destination pool")
+            s.add_argument("--dst-base", required=True, help="addresses of te-target's destination pools, one per decode rank (comma-separated)")
             s.add_argument("--api", choices=APIS, default="submit", help="transfer engine API to write with")
             s.add_argument("--in-flight", type=int, default=1, help="rooms in flight")
             s.add_argument("--window", type=int, default=512, help="writes in flight to the peer (its queue holds 1024)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 SYSTEM_ORDER = ("wire", "baseline", "pdxfer")
 BUSY_SHARE = 0.05  # other processes' share of the box above which the figures are flagged
 PROBE_DRIFT = 1.25  # CPU probe slower or faster by this factor at the end than at the start: flagged
@@ -14,6 +16,7 @@ FIGURES = (
     ("p99_ms", "p99 ms to Success", "{:.2f}"),
     ("blocks_per_room", "blocks submitted per room", "{:.1f}"),
     ("inline_share", "rooms with KV in aux record", "{:.0%}"),
+    ("control_per_room", "control msgs per room", "{:.2f}"),
     ("cpu_s_per_gb", "CPU s per GB moved", "{:.2f}"),
     ("cpu_ms_per_room", "CPU ms per room", "{:.2f}"),
     ("engine_cpu_ms_per_room", "engine CPU ms per room", "{:.2f}"),
@@ -50,6 +53,15 @@ def _workload_table(name: str, wl: dict) -> list[str]:
             row += f"  {_x(ratios['pdxfer/wire'].get(key))}" if key in ratios["pdxfer/wire"] else ""
         lines.append(row)
     lines.append(f"  {'mismatched rooms (all runs)':28}" + "".join(f"{wl['systems'][s]['mismatches']:>10}" for s in systems))
+    if per_room := _peer_messages(wl):
+        lines.append("  pdxfer room messages in per room (medians): " + "; ".join(
+            f"{role} daemon " + ", ".join(f"{kind} {n:.2f}" for kind, n in kinds.items()) for role, kinds in per_room.items()))
+    if equal := wl.get("equal_tp"):
+        for system in ("pdxfer", "baseline"):
+            if equal[system]:
+                lines.append(f"  {system} GB/s at TP {wl['workload']['prefill_tp']}:{wl['workload']['decode_tp']} over the same rooms "
+                             f"at {equal['topology']} ({equal['workload']}): {_x(equal[system]['gbps']).strip()}; in each repeat: "
+                             + " ".join(_x(r).strip() for r in equal[system]["by_repeat"]))
     paired = wl.get("gbps_by_repeat", {}).get("pdxfer/baseline", [])
     if len(paired) > 1:
         lines.append("  GB/s pdxfer/baseline in each repeat: " + " ".join(_x(r).strip() for r in paired))
@@ -66,6 +78,15 @@ def _workload_table(name: str, wl: dict) -> list[str]:
         for error in wl["systems"][s]["errors"]:
             lines.append(f"  ! {s}: {error}")
     return lines
+
+
+def _peer_messages(wl: dict) -> dict[str, dict[str, float]]:
+    runs = [r["extra"].get("peer_messages_per_room") for r in wl["systems"].get("pdxfer", {}).get("runs", []) if not r["error"]]
+    runs = [r for r in runs if r]
+    if not runs:
+        return {}
+    return {role: {kind: statistics.median(r[role].get(kind, 0.0) for r in runs) for kind in kinds}
+            for role, kinds in runs[0].items()}
 
 
 def _sweep_table(report: dict) -> list[str]:
@@ -134,6 +155,8 @@ def targets(report: dict) -> list[dict]:
     idle = [_get(wl, "pdxfer", "rss_idle_mib") for wl in wls.values()]
     idle = [v for v in idle if v is not None]
     layouts = report.get("planning", {}).get("layouts", {}).values()
+    control = [_get(wl, "pdxfer", "control_per_room") for wl in wls.values()]
+    control = [v for v in control if v is not None]
     shares = [t["plan_share"] for t in layouts if t["plan_share"] is not None]
     indices = next((f"{t['page_indices']:,}" for t in layouts), "page")
     rows = [
@@ -145,7 +168,15 @@ def targets(report: dict) -> list[dict]:
         ("p99 < 5 ms, one room in flight", _get(one, "pdxfer", "p99_ms"), lambda v: v < 5.0, "{:.2f} ms", ""),
         (f"planning {indices} indices <= 5% of transfer", max(shares) if shares else None, lambda v: v <= 0.05, "{:.2%}", ""),
         ("idle daemon RSS < 150 MiB", max(idle) if idle else None, lambda v: v < 150, "{:.0f} MiB", ""),
+        # A5: one room_request and one room_accepted per room per node pair, however many ranks
+        ("control msgs per room per node pair <= 2", max(control) if control else None, lambda v: v <= 2.0, "{:.2f}", ""),
     ]
+    for name in ("large", "medium"):
+        if equal := (wls.get(name) or {}).get("equal_tp"):
+            w = wls[name]["workload"]
+            rows.append((f"{name} GB/s TP {w['prefill_tp']}:{w['decode_tp']} >= 0.9x {equal['topology']} ({w['page_order'].replace('_', '-')})",
+                         equal["pdxfer"].get("gbps"), lambda v: v >= 0.9, "{:.2f}x",
+                         f"baseline {_x(equal['baseline'].get('gbps')).strip()}" if equal["baseline"] else ""))
     return [
         {"target": text, "value": value, "shown": "-" if value is None else spec.format(value),
          "met": None if value is None else bool(test(value)), "spread": spread}
@@ -162,7 +193,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback, "
         f"{_lanes(cfg.get('tcp_lanes', 0))} per peer for pdxfer and baseline; seed {cfg['seed']}; "
-        f"pages {cfg.get('placement', 'scattered')}; "
+        f"pages {cfg.get('placement', 'scattered')}; TP {':'.join(map(str, cfg.get('topology', (1, 1))))} "
+        f"({cfg.get('heads', 1)} KV heads, {cfg.get('page_order', 'token_major').replace('_', '-')}); "
         f"{box['cpus']} CPUs, {box['seconds']:.0f} s",
         f"  transfer engines per process: baseline {cfg.get('baseline_engines', 1)}, pdxfer daemons "
         f"{cfg.get('tcp_engines', 1)} (--baseline-engines, --tcp-engines), writes spread over them in turn",

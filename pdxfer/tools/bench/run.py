@@ -44,6 +44,7 @@ class RunOptions:
     window: int = 512  # baseline writes in flight
     corrupt: bool = False  # flip a destination byte before the check (testing aid)
     inline_kv_bytes: int | None = None  # the pdxfer daemons' --inline-kv-bytes (None: their default)
+    expect_batch_ms: float | None = None  # the decode daemon's --expect-batch-ms (None: its default)
     tcp_lanes: int = TCP_LANES  # pdxfer's --tcp-lanes and the baseline engines' MC_TCP_LANES_PER_PEER (0: the engine's default)
     tcp_engines: int = TCP_ENGINES  # pdxfer daemons' --tcp-engines
     baseline_engines: int = 1  # transfer engines in each baseline process
@@ -60,9 +61,10 @@ class RunResult:
     latencies_ms: np.ndarray | None = None
     blocks: int = 0
     inline_rooms: int | None = None  # rooms whose KV rode the aux record (pdxfer)
+    control_messages: int | None = None  # pdxfer: room_request in at the prefill daemon + room_accepted in at the decode daemon
     mismatches: int = 0
     cpu_s: float | None = None  # of the two processes that move bytes (daemons, raw engines), over the window
-    engine_cpu_s: float | None = None  # pdxfer: of the two engine processes (pdxfer.client and the sims' own work), over their rooms
+    engine_cpu_s: float | None = None  # pdxfer: of the engine processes, every rank's (pdxfer.client and the sims' own work), over their rooms
     # Memory of the larger of those two processes, in bytes:
     rss_idle: int | None = None  # VmRSS before any pool is mapped (pdxfer: the daemon once ready)
     rss_anon: int | None = None  # RssAnon after the last room: memory of its own, without mapped pools
@@ -81,6 +83,7 @@ class RunResult:
             **pct,
             "blocks_per_room": self.blocks / self.rooms if self.rooms else None,
             "inline_share": self.inline_rooms / self.rooms if self.inline_rooms is not None and self.rooms else None,
+            "control_per_room": self.control_messages / self.rooms if self.control_messages is not None and self.rooms else None,
             "cpu_s_per_gb": self.cpu_s / gb if self.cpu_s is not None and gb else None,
             "cpu_ms_per_room": self.cpu_s * 1000 / self.ok if self.cpu_s is not None and self.ok else None,
             "engine_cpu_ms_per_room": self.engine_cpu_s * 1000 / self.ok if self.engine_cpu_s is not None and self.ok else None,
@@ -208,7 +211,8 @@ def run_baseline(plan: Plan, plan_path: str, opts: RunOptions, progress: Progres
         procs["target"] = target = _spawn(raw_argv("te-target", "--plan", plan_path, *engines, *corrupt), _log(opts.workdir, "te-target"), lanes)
         ready = _await_event(target, "ready", opts.timeout)
         procs["writer"] = writer = _spawn(
-            raw_argv("te-writer", "--plan", plan_path, *engines, "--peer", ",".join(ready["sessions"]), "--dst-base", str(ready["base"]),
+            raw_argv("te-writer", "--plan", plan_path, *engines, "--peer", ",".join(ready["sessions"]),
+                     "--dst-base", ",".join(map(str, ready["bases"])),
                      "--api", opts.api, "--in-flight", str(plan.workload.in_flight), "--window", str(opts.window),
                      "--timings", timings),
             _log(opts.workdir, "te-writer"), lanes,
@@ -240,9 +244,10 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
              "--tcp-engines", str(opts.tcp_engines)]
     if opts.inline_kv_bytes is not None:
         flags += ["--inline-kv-bytes", str(opts.inline_kv_bytes)]
+    own = {"prefill": [], "decode": [] if opts.expect_batch_ms is None else ["--expect-batch-ms", str(opts.expect_batch_ms)]}
     logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}
     with ThreadPoolExecutor(2) as pool:
-        futures = {role: pool.submit(start_daemon, role, runtime, *flags, stderr=logs[role], timeout=60.0) for role in logs}
+        futures = {role: pool.submit(start_daemon, role, runtime, *flags, *own[role], stderr=logs[role], timeout=60.0) for role in logs}
     for log in logs.values():  # the daemons have their own copies
         log.close()
     daemons, failure = {}, None
@@ -259,16 +264,27 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
     return daemons
 
 
+def _rank_names(w) -> dict[str, list[str]]:
+    """The engine processes of a run: one per rank of each side."""
+    return {side: [f"{side}-{r}" for r in range(w.tp(side))] for side in ("prefill", "decode")}
+
+
+def _control_messages(before: dict, after: dict, kind: str) -> float:
+    key = f"peer_messages_in:{kind}"
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
 def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
     w = plan.workload
-    result = RunResult("pdxfer", w.name, len(plan.rooms), extra={"aux_path": opts.aux_path})
+    result = RunResult("pdxfer", w.name, len(plan.rooms), extra={"aux_path": opts.aux_path, "topology": w.topology})
     runtime = tempfile.mkdtemp(prefix="pdxb-")  # short: ipc socket paths are limited to ~107 bytes
-    timing = {role: os.path.join(opts.workdir, f"pdxfer-{role}-timings.npz") for role in ("prefill", "decode")}
+    names = _rank_names(w)
+    timing = {name: os.path.join(opts.workdir, f"pdxfer-{name}-timings.npz") for side in names.values() for name in side}
     flags = [
         "--plan", plan_path, "--rooms", str(len(plan.rooms)), "--in-flight", str(w.in_flight), "--layout", "mha",
-        "--layers", str(w.layers), "--page-size", str(w.page_size), "--token-bytes", str(w.token_bytes),
-        "--pages", str(plan.num_pages), "--slots", str(max(8, 2 * w.in_flight)), "--room-timeout", str(opts.timeout),
-        "--start-on-stdin",
+        "--layers", str(w.layers), "--page-size", str(w.page_size), "--pages", str(plan.num_pages),
+        "--slots", str(max(8, 2 * w.in_flight)), "--room-timeout", str(opts.timeout), "--heads", str(w.heads),
+        "--page-order", w.page_order, "--start-on-stdin",
     ]
     daemons: dict = {}
     sims: dict[str, subprocess.Popen] = {}
@@ -278,51 +294,75 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         # A daemon is its process and its transfer engine's (--transfer-engine-process child).
         pids = {role: sorted({d.pid, d.ready.get("engine_pid") or d.pid}) for role, d in daemons.items()}
         samples["idle"] = {role: _sample(ps) for role, ps in pids.items()}
-        sims["prefill"] = _spawn(
-            sim_argv("prefill", daemons["prefill"].engine, *flags, "--timings", timing["prefill"]), _log(opts.workdir, "prefill-engine"))
-        sims["decode"] = _spawn(
-            sim_argv("decode", daemons["decode"].engine, "--bootstrap", daemons["prefill"].bootstrap, *flags,
-                     "--timings", timing["decode"], *(["--corrupt"] if opts.corrupt else [])),
-            _log(opts.workdir, "decode-engine"))
+        for side, ranks in names.items():
+            extra = ["--bootstrap", daemons["prefill"].bootstrap, "--prefill-tp", str(w.prefill_tp),
+                     *(["--corrupt"] if opts.corrupt else [])] if side == "decode" else []
+            for rank, name in enumerate(ranks):
+                sims[name] = _spawn(
+                    sim_argv(side, daemons[side].engine, *flags, "--token-bytes", str(plan.rank_layout(side).token_bytes),
+                             "--tp", str(w.tp(side)), "--rank", str(rank), "--timings", timing[name], *extra),
+                    _log(opts.workdir, f"{name}-engine"))
         for sim in sims.values():  # pools registered, sources filled
             _await_event(sim, "ready", opts.timeout)
-        samples["counters"] = daemon_counters(daemons["prefill"].ready["admin"])
+        samples["counters"] = {role: daemon_counters(d.ready["admin"]) for role, d in daemons.items()}
         samples["before"] = {role: _sample(ps) for role, ps in pids.items()}
         for sim in sims.values():
             _say(sim, "go")
-        summaries = read_events(sims, _on_progress(progress, ("decode",)), timeout=opts.timeout)
+        summaries = read_events(sims, _on_progress(progress, (names["decode"][0],)), timeout=opts.timeout)
         samples["after"] = {role: _sample(ps) for role, ps in pids.items() if daemons[role].alive()}
-        if daemons["prefill"].alive():
-            samples["counters_after"] = daemon_counters(daemons["prefill"].ready["admin"])
-        if daemons["decode"].alive():
-            samples["decode_counters_after"] = daemon_counters(daemons["decode"].ready["admin"])
+        samples["counters_after"] = {role: daemon_counters(d.ready["admin"]) for role, d in daemons.items() if d.alive()}
     finally:
         _reap(sims.values())
         codes = dict(zip(daemons, stop_all(daemons.values())))
         for d in daemons.values():
             d.proc.stdout.close()
         shutil.rmtree(runtime, ignore_errors=True)
-    dec, pre = summaries.get("decode"), summaries.get("prefill")
-    if dec is None or pre is None or len(samples.get("after", {})) != 2 or not {"counters_after", "decode_counters_after"} <= samples.keys():
+    if set(summaries) != set(sims) or len(samples.get("after", {})) != 2 or len(samples.get("counters_after", {})) != 2:
         result.error = f"an engine or daemon died (daemon exit codes {codes}; see the logs)"
         return result
-    p, d = _load_timings(timing["prefill"]), _load_timings(timing["decode"])
-    sent = dict(zip(p["room"].tolist(), p["start"].tolist()))
-    starts = np.array([max(s, sent.get(r, np.inf)) for r, s in zip(d["room"].tolist(), d["start"].tolist())])
-    ok = d["ok"] & np.isfinite(starts)
-    _timed(result, plan, d["room"], starts, d["end"], ok)
-    planned = int(block_counts(plan).sum())  # the daemon plans with the same function
-    counters = samples["counters_after"]
-    result.blocks = int(counters["blocks_submitted"] - samples["counters"]["blocks_submitted"])
-    result.inline_rooms = int(counters["kv_inline_rooms"] - samples["counters"]["kv_inline_rooms"])
-    result.extra.update(blocks_planned=planned, prefill_counters={k: v - samples["counters"].get(k, 0.0) for k, v in counters.items()})
+    # A room starts when the last of its ranks called send()/expect() and ends when the
+    # last decode rank saw Success; it succeeded when every decode rank's part did.
+    t = {name: _load_timings(path) for name, path in timing.items()}
+    called = {}
+    for name in timing:
+        for room, start in zip(t[name]["room"].tolist(), t[name]["start"].tolist()):
+            called[room] = max(called.get(room, -np.inf), start)
+    rooms = np.array([r.room for r in plan.rooms], np.uint64)
+    ends, ok = np.full(rooms.size, -np.inf), np.ones(rooms.size, bool)
+    index = {room: i for i, room in enumerate(rooms.tolist())}
+    for name in names["decode"]:
+        seen = np.zeros(rooms.size, bool)
+        for room, end, good in zip(t[name]["room"].tolist(), t[name]["end"].tolist(), t[name]["ok"].tolist()):
+            i = index[room]
+            seen[i] = True
+            ends[i] = max(ends[i], end)
+            ok[i] &= good
+        ok &= seen
+    starts = np.array([called.get(room, np.inf) for room in rooms.tolist()])
+    ok &= np.isfinite(starts)
+    _timed(result, plan, rooms, starts, ends, ok)
+    planned = int(block_counts(plan).sum())  # the daemon plans with the same functions
+    before, after = samples["counters"], samples["counters_after"]
+    counters = after["prefill"]
+    result.blocks = int(counters["blocks_submitted"] - before["prefill"]["blocks_submitted"])
+    result.inline_rooms = int(counters["kv_inline_rooms"] - before["prefill"]["kv_inline_rooms"])
+    # A5: one room_request per room per node pair, and one room_accepted back, whatever the ranks.
+    result.control_messages = int(_control_messages(before["prefill"], counters, "room_request")
+                                  + _control_messages(before["decode"], after["decode"], "room_accepted"))
+    result.extra.update(blocks_planned=planned, prefill_counters={k: v - before["prefill"].get(k, 0.0) for k, v in counters.items()},
+                        lanes={role: int(c.get("lanes", 0)) for role, c in after.items()},
+                        peer_messages_per_room={  # every kind of room message each daemon took in, to see which grow with the ranks
+                            role: {k.partition(":")[2]: _control_messages(before[role], c, k.partition(":")[2]) / len(plan.rooms)
+                                   for k in sorted(c) if k.startswith("peer_messages_in:room")}
+                            for role, c in after.items()})
     # Daemons start afresh for each run: their count covers its set-up, window and check.
-    result.extra["cpu_takebacks"] = int(counters["cpu_takebacks"] + samples["decode_counters_after"]["cpu_takebacks"])
-    result.mismatches = dec["mismatches"]
+    result.extra["cpu_takebacks"] = int(counters["cpu_takebacks"] + after["decode"]["cpu_takebacks"])
+    result.mismatches = sum(summaries[name]["mismatches"] for name in names["decode"])
     if result.ok != len(plan.rooms):
-        result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: decode {dec['outcome']}, prefill {pre['outcome']}"
+        outcomes = "; ".join(f"{name} {summaries[name]['outcome']}" for side in names.values() for name in side)
+        result.error = f"{len(plan.rooms) - result.ok} rooms did not succeed: {outcomes}"
     result.cpu_s = sum(samples["after"][r]["cpu_s"] - samples["before"][r]["cpu_s"] for r in pids)
-    result.engine_cpu_s = dec["cpu_s"] + pre["cpu_s"]
+    result.engine_cpu_s = sum(summary["cpu_s"] for summary in summaries.values())
     result.rss_idle = max(samples["idle"][r]["VmRSS"] for r in pids)
     result.rss_anon = max(samples["after"][r]["RssAnon"] for r in pids)
     result.rss_peak = max(samples["after"][r]["VmHWM"] for r in pids)

@@ -1,0 +1,55 @@
+"""Whether an engine process on this host still runs: what lets a daemon fail a killed
+engine rank's rooms at once instead of at their timeouts (A10).
+
+A pid means something only inside its pid namespace, and pids are reused: an engine says
+its pid and its namespace (the inode of /proc/self/ns/pid), and the daemon, when it shares
+that namespace, remembers the process's start time and asks for both again."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot; None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its end.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 of the whole line
+
+
+class EngineWatch:
+    """The engine processes a daemon can see, and which of them have gone."""
+
+    def __init__(self) -> None:
+        self.namespace = pid_namespace()
+        self.started: dict[bytes, tuple[int, int]] = {}  # connection -> (pid, start time)
+
+    def add(self, identity: bytes, pid: int, namespace: int) -> bool:
+        """Watch a connection's engine; False when this daemon cannot see its process."""
+        if not pid or not namespace or namespace != self.namespace:
+            return False
+        started = start_time(pid)
+        if started is None:
+            return False
+        self.started[identity] = (pid, started)
+        return True
+
+    def gone(self) -> list[tuple[bytes, int]]:
+        """The watched connections whose process exited since (connection, pid); each told once."""
+        out = [(identity, pid) for identity, (pid, started) in self.started.items() if start_time(pid) != started]
+        for identity, _ in out:
+            del self.started[identity]
+        return out
