@@ -520,11 +520,10 @@ class DecodeService(RoomService):
         if link is not None:
             self._fail_link(link, ErrorCode.UNAUTHENTICATED, f"prefill {endpoint}: {why}")
 
-    def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str) -> None:
-        for room_id in list(link.rooms):
-            room = self.rooms.find(room_id)
-            if room is not None:
-                self.fail(room, code, reason)
+    def _fail_link(self, link: PrefillLink, code: ErrorCode, reason: str, before: int | None = None) -> None:
+        """Fail the link's rooms (those asked for before epoch ``before``, when given)."""
+        for room in self._link_rooms(link, before):
+            self.fail(room, code, reason)
 
     # --- verification
 
@@ -700,12 +699,10 @@ class DecodeService(RoomService):
         when given). The link stays: it reconnects, and a recovered or restarted prefill
         gets new rooms as usual."""
         self.count_failure("peers_declared_dead")
-        rooms = self._link_rooms(link, before)
-        live = sum(1 for room in rooms if not room.finished)
+        live = sum(1 for room in self._link_rooms(link, before) if not room.finished)
         log.error("declared prefill %s dead, failing its %d live rooms: %s", link.endpoint, live, reason, extra={"peer": link.endpoint})
         link.last_heard = self.clock()
-        for room in rooms:
-            self.fail(room, ErrorCode.PEER_DEAD, reason)
+        self._fail_link(link, ErrorCode.PEER_DEAD, reason, before)
 
     def _link_rooms(self, link: PrefillLink, before: int | None = None) -> list[Room]:
         """The link's rooms; with ``before``, those asked for in an earlier epoch."""
