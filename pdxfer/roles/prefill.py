@@ -304,8 +304,7 @@ class PrefillService(RoomService):
             room = self.rooms.create(key, Role.PREFILL, self.clock())
             self.work[room.id] = PrefillWork()
         self._owned_by(room, lane)
-        for part in self._group(room):
-            self.work[part.id].engine = identity
+        self.work[room.id].engine = identity
         if room.finished or self.work[room.id].request is not None:
             self.push(room, identity)
         return Ok(req=msg.req)
@@ -514,7 +513,7 @@ class PrefillService(RoomService):
         head = self.work[first.id]
         head.fans.append(room.id)
         room.lane, w.first_room = first.lane, first.id
-        w.engine, w.memory_version, w.aux_slot = head.engine, head.memory_version, head.aux_slot
+        w.memory_version, w.aux_slot = head.memory_version, head.aux_slot
         for chunk in head.handed:
             self._take(room, w, chunk)
         if head.handed:
@@ -852,12 +851,18 @@ class PrefillService(RoomService):
             self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code, reason=room.reason, fenced=not in_flight, leg=w.leg))
         return not in_flight
 
-    def engine_of(self, room: Room) -> bytes:
+    def _head(self, room: Room) -> PrefillWork | None:
+        """The work of the room's first part: its engine speaks for every part, including
+        parts whose request came before the engine announced or sent."""
         w = self.work.get(room.id)
+        return self.work.get(w.first_room) if w is not None and w.first_room else w
+
+    def engine_of(self, room: Room) -> bytes:
+        w = self._head(room)
         return w.engine if w else b""
 
     def disown(self, room: Room) -> None:
-        w = self.work.get(room.id)
+        w = self._head(room)
         if w is not None:
             w.engine = b""
 

@@ -311,3 +311,28 @@ def test_a_fan_out_part_asked_for_after_the_first_part_succeeded_still_gets_the_
         job.on_done(job)
     service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=9, leg=1)))
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
+
+
+def test_fan_out_parts_asked_for_before_the_engine_sent_report_to_it_and_go_when_settled():
+    """TP1 -> TP2 without announce(): both decode ranks' requests come before the
+    engine's send (release_when_settled). The part that succeeds last still tells the
+    engine, and the settled room goes, freeing its aux slot: before, a part made ahead of
+    the engine had no engine to tell, so the room stayed and its slot with it."""
+    service = prefill()
+    port = service.port
+    two_lane_hello(service)
+    slot = grant(service)
+    for code in (0, 1):
+        part = replace(leg(code, code, [5 + code]), fan_out=2)
+        service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=12, legs=(part,), lease_ms=30_000)))
+    port.take()
+    call(service, Send(req=10, room=12, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation, release_when_settled=True))
+    for job in port.submitted:
+        job.settled = True
+        job.on_done(job)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=12, leg=0)))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=12, leg=1)))
+    assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
+    assert service.rooms.find(12) is None and service.rooms.find(fan_key(12, 1)) is None
+    assert service.lanes[0].aux.slots.slots[slot.slot].state.value == "free"
