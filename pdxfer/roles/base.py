@@ -266,7 +266,8 @@ class RoomService:
             failed += self.fail(room, ErrorCode.ENGINE_GONE, f"{lane.name if lane else 'the engine'}: {reason}")
             if room.finished and room.fenced and self.rooms.find(room.id) is room:
                 self.drop(room)
-        log.warning("%s: %s; %d of its rooms failed", lane.name if lane else "an engine", reason, failed)
+        # An engine that exits between requests is routine; one that takes rooms with it is not.
+        (log.warning if failed else log.info)("%s: %s; %d of its rooms failed", lane.name if lane else "an engine", reason, failed)
         return failed
 
     def disown(self, room: Room) -> None:

@@ -88,7 +88,7 @@ async def _abort_when(engine, rid: str, room: int, abort: dict, seen: dict, time
                         os.kill(pause["pid"], signal.SIGCONT)
                         seen["room"]["resumed"] = time.time()
                 return
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.001)
     raise TimeoutError(f"room {room} never reached {abort['state']} in {timeout:.0f} s")
 
 

@@ -21,6 +21,7 @@ from pdxfer.ops.inspection import AdminClient
 from pdxfer.tools.launch import start_daemon, stop_all
 from tests.engines import sglang_pd
 from tests.engines.conftest import ENGINE_TEST_TIMEOUT
+from tests.engines.procs import WorkerError
 from tests.engines.prompts import SAME_LAST_ID, Request, prompt_dependence
 from tests.engines.test_sglang_baseline import mismatches
 
@@ -209,10 +210,12 @@ class RoomWatch:
 
 
 def abort_waves(seed: int = 281) -> list[list[Request]]:
-    """Four waves of three requests; each wave's first has a 600-id prompt (ten
-    chunked-prefill steps, 38 pages), the one a fault test aborts."""
+    """Four waves of three requests; each wave's first has a 960-id prompt (15
+    chunked-prefill steps, 60 pages), the one a fault test aborts: its room transfers
+    for as long as the prefill computes, long enough for a watcher on a loaded host to
+    see it (at 600 ids one was over in 150 ms, unseen)."""
     rng = random.Random(seed)
-    return [[Request(tuple(rng.randrange(3, 1024) for _ in range(n)), 6) for n in (600, 100, 250)] for _ in range(4)]
+    return [[Request(tuple(rng.randrange(3, 1024) for _ in range(n)), 6) for n in (960, 100, 250)] for _ in range(4)]
 
 
 def test_an_aborted_request_ends_aborted_on_both_sides_and_its_decode_pages_wait_for_the_fence(needs_sglang, model_dir, tmp_path):
@@ -291,6 +294,24 @@ def test_an_aborted_request_ends_aborted_on_both_sides_and_its_decode_pages_wait
     assert sorted(c["room"] for c in run.calls if c["call"] == "release_pages") == sorted(aborted.values())
     print("decode pages held until fenced: " + ", ".join(f"wave {w} {s:.2f} s" for w, s in held.items()))
 
+
+
+def test_a_decode_server_without_deferred_release_refuses_to_start(needs_sglang, model_dir, tmp_path):
+    """With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE off, SGLang frees an
+    aborted request's decode pages at once, while the prefill daemon may still write
+    them: a decode server on the pdxfer backend refuses to start, naming the variable."""
+    env = sglang_pd.engine_env(str(tmp_path), (), {"pdxfer": sglang_pd.entry_point()},
+                               {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "0"})
+    decode = sglang_pd._worker("sglang-decode", str(tmp_path), model_dir, {
+        "disaggregation_transfer_backend": "pdxfer", "disaggregation_mode": "decode",
+        "disaggregation_decode_retraction_backup": "cpu_tensor"}, env)
+    decode.start()
+    try:
+        with pytest.raises(WorkerError) as refused:
+            decode.ready(sglang_pd.START_TIMEOUT)
+    finally:
+        decode.stop()
+    assert "needs SGLang's deferred decode KV release" in str(refused.value), str(refused.value)[-3000:]
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])

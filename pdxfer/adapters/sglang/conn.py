@@ -103,6 +103,12 @@ class PdxferKVManager(CommonKVManager):
                 + " yet; use the mooncake or nixl backend for this setup"
             )
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        if not prefill and not envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get():
+            raise ValueError(
+                "--disaggregation-transfer-backend pdxfer needs SGLang's deferred decode KV release: with "
+                "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE off, SGLang frees an aborted request's decode pages "
+                "while the prefill daemon may still be writing them; unset it (it is on by default)"
+            )
         role = Role.PREFILL if prefill else Role.DECODE
         dtype, heads_local, heads_total = _model_facts(args, server_args, parallel.attn_tp_size, bool(is_mla_backend))
         first_layer = getattr(args, "prefill_start_layer", 0) or 0
