@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdxfer.adapters.vllm import params
-from pdxfer.adapters.vllm.params import FromPrefill, ToDecode
+from pdxfer.adapters.vllm.params import FromPrefill, Sizes, ToDecode
 
 
 def test_c2_each_side_reads_what_the_proxy_sends_it():
@@ -17,13 +17,25 @@ def test_c2_each_side_reads_what_the_proxy_sends_it():
     assert params.read({"do_remote_decode": False, "do_remote_prefill": False, "remote_block_ids": [1]}) is None
 
 
-def test_c2_the_prefills_answer_is_the_decodes_request():
-    answer = params.answer(2**64 - 1, "[::1]:18998", "p0")
-    assert params.read(answer) == FromPrefill(room=2**64 - 1, bootstrap="[::1]:18998", engine="p0")
-    # without a bootstrap address configured, the answer still names the room, and a
-    # decode given only that says what is missing
+def test_c2_the_prefills_answer_is_the_decodes_request_with_the_prefills_sizes():
+    answer = params.answer(2**64 - 1, "[::1]:18998", "p0", Sizes(tp=4, pp=2))
+    assert params.read(answer) == FromPrefill(room=2**64 - 1, bootstrap="[::1]:18998", engine="p0", sizes=Sizes(tp=4, pp=2))
+    assert params.sizes_of(answer) == Sizes(tp=4, pp=2)  # what a parallel proxy learns from it
+    # without a bootstrap address configured, the answer still names the room and the
+    # sizes, and a decode given only that says what is missing
+    short = params.answer(3, None, "p0", Sizes(tp=2))
+    assert "prefill_bootstrap" not in short and params.sizes_of(short) == Sizes(tp=2)
     with pytest.raises(ValueError, match="prefill_bootstrap must be 'host:port'"):
-        params.read(params.answer(3, None, "p0"))
+        params.read(short)
+
+
+def test_c2_sizes_left_out_are_one_and_bad_ones_are_refused_naming_them():
+    # a decode request from a proxy or prefill that names no sizes: a TP1, PP1 prefill
+    assert params.read({"do_remote_prefill": True, "room": 1, "prefill_bootstrap": "h:1"}).sizes == Sizes(tp=1, pp=1)
+    assert params.read(params.for_decode(1, "h:1", "p", Sizes(tp=8))).sizes == Sizes(tp=8, pp=1)
+    for key, bad in [("prefill_tp_size", 0), ("prefill_pp_size", -1), ("prefill_tp_size", "2"), ("prefill_tp_size", True), ("prefill_pp_size", 1.0)]:
+        with pytest.raises(ValueError, match=f"{key} must be a positive integer .*not {bad!r}"):
+            params.read({"do_remote_prefill": True, "room": 1, "prefill_bootstrap": "h:1", key: bad})
 
 
 @pytest.mark.parametrize("room", [0, -1, 2**64, True, "12", 1.5, None])

@@ -80,29 +80,49 @@ async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
         return response.status, await response.json()
 
 
-async def test_c2_both_engines_get_the_prompt_at_once_with_one_room(proxied):
-    """Each fake engine answers only once the other has the request: a proxy that waited
+async def until(condition, timeout: float = 10.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def test_c2_both_engines_get_the_prompt_at_once_with_one_room_once_the_prefills_sizes_are_known(proxied):
+    """The first request's decode is asked once the prefill answered: the answer names
+    the prefill engine's TP and PP sizes, which the decode's daemon needs. From then on
+    each fake engine answers only once the other has the request: a proxy that waited
     for the prefill before calling the decode would never finish."""
     engines = {}
+    prefill_sizes = params.Sizes(tp=2, pp=1)
 
     async def prefill_answer(request, body):
-        await asyncio.wait_for(engines["decode"].arrived.wait(), 10)
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params.answer(body["kv_transfer_params"]["room"], BOOTSTRAP, "p")})
+        prefill, decode = engines["prefill"], engines["decode"]
+        if len(prefill.bodies) > 1:
+            await until(lambda: len(decode.bodies) == len(prefill.bodies))
+        return web.json_response({"choices": [{"text": "x"}],
+                                  "kv_transfer_params": params.answer(body["kv_transfer_params"]["room"], None, "p", prefill_sizes)})
+
+    answered = []
 
     async def decode_answer(request, body):
-        await asyncio.wait_for(engines["prefill"].arrived.wait(), 10)
+        await until(lambda: len(engines["prefill"].bodies) == len(engines["decode"].bodies))
+        answered.append(len(engines["prefill"].bodies))
         return await completion(request, body)
 
     url, engines["prefill"], engines["decode"] = await proxied(prefill_answer, decode_answer)
     request = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 16, "min_tokens": 4, "ignore_eos": True, "temperature": 0}
-    status, answer = await post(url, "/v1/completions", request)
-    assert status == 200 and answer["choices"][0]["text"] == "decoded"
+    for _ in range(2):
+        status, answer = await post(url, "/v1/completions", request)
+        assert status == 200 and answer["choices"][0]["text"] == "decoded"
+    assert answered == [1, 2]
 
-    (to_prefill,), (to_decode,) = engines["prefill"].bodies, engines["decode"].bodies
-    room = to_prefill["kv_transfer_params"]["room"]
-    assert to_prefill == {"path": "/v1/completions", "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "stream": False,
-                          "ignore_eos": True, "temperature": 0, "kv_transfer_params": params.for_prefill(room)}
-    assert to_decode == {"path": "/v1/completions", **request, "kv_transfer_params": params.for_decode(room, BOOTSTRAP, engines["prefill"].url)}
+    for to_prefill, to_decode in zip(engines["prefill"].bodies, engines["decode"].bodies, strict=True):
+        room = to_prefill["kv_transfer_params"]["room"]
+        assert to_prefill == {"path": "/v1/completions", "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "stream": False,
+                              "ignore_eos": True, "temperature": 0, "kv_transfer_params": params.for_prefill(room)}
+        assert to_decode == {"path": "/v1/completions", **request,
+                             "kv_transfer_params": params.for_decode(room, BOOTSTRAP, engines["prefill"].url, prefill_sizes)}
 
 
 async def test_c2_chat_caps_the_prefill_at_one_token_and_streams_the_decode_as_it_comes(proxied):
@@ -132,7 +152,7 @@ async def test_c2_chat_caps_the_prefill_at_one_token_and_streams_the_decode_as_i
 
 
 async def test_c2_sequential_forwards_what_the_prefill_answered(proxied):
-    answered = params.answer(77, BOOTSTRAP, "prefill-engine")
+    answered = params.answer(77, BOOTSTRAP, "prefill-engine", params.Sizes(tp=2))
 
     async def prefill_answer(request, body):
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {**answered, "remote_prefill_cached_tokens": 0}})
@@ -148,6 +168,25 @@ async def test_c2_sequential_forwards_what_the_prefill_answered(proxied):
     assert params.read(decode.bodies[0]["kv_transfer_params"]) == params.read(answered)
 
 
+def first_answers(then):
+    """An engine's answer: as vLLM's to the first request (a prefill's names its sizes),
+    then ``then``'s. The first teaches the proxy the prefill's sizes: the requests that
+    follow go to both engines at once."""
+
+    calls = []
+
+    async def answer(request, body):
+        calls.append(body)
+        if len(calls) > 1:
+            return await then(request, body)
+        if body["kv_transfer_params"].get("do_remote_decode"):
+            kv = params.answer(body["kv_transfer_params"]["room"], None, "p", params.Sizes())
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": kv})
+        return await completion(request, body)
+
+    return answer
+
+
 async def test_c2_a_prefill_refusal_ends_the_request_and_closes_the_decodes(proxied):
     async def refuse(request, body):
         await asyncio.wait_for(decode.arrived.wait(), 10)
@@ -156,7 +195,9 @@ async def test_c2_a_prefill_refusal_ends_the_request_and_closes_the_decodes(prox
     async def never(request, body):
         await asyncio.sleep(60)
 
-    url, prefill, decode = await proxied(refuse, never)
+    url, prefill, decode = await proxied(first_answers(refuse), first_answers(never))
+    assert (await post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}))[0] == 200
+    decode.arrived.clear()
     status, answer = await asyncio.wait_for(post(url, "/v1/completions", {"model": "tiny", "prompt": "x" * 10, "max_tokens": 4}), 20)
     assert (status, answer["error"]["message"]) == (400, "prompt too long")
     await asyncio.wait_for(decode.closed_early.wait(), 10)  # vLLM aborts a request whose connection closed
@@ -166,7 +207,8 @@ async def test_c2_an_unreachable_decode_closes_the_prefills_request(proxied):
     async def hold(request, body):
         await asyncio.sleep(60)
 
-    url, prefill, decode = await proxied(hold, completion)
+    url, prefill, decode = await proxied(first_answers(hold), completion)
+    assert (await post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}))[0] == 200
     await decode.runner.cleanup()
     status, answer = await asyncio.wait_for(post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}), 20)
     assert status == 502 and answer["error"]["message"].startswith(f"decode engine {decode.url}")

@@ -145,6 +145,36 @@ def test_c2_a_sequential_proxy_names_no_room_and_a_first_token_eos_still_sends(k
     assert out.kv_connector_metadata.sends == [kit.Transmit(req_id=d.request_id, room=room, pages=tuple(blocks_of(s, d)[:3]), num_tokens=70)]
 
 
+def test_c2_a_tp2_prefill_answers_with_its_sizes_and_the_decode_hands_them_to_every_rank(kit, configs, model_dir):
+    """One scheduler half whatever the ranks: a TP2 prefill's answer names TP 2, and the
+    decode's receive carries it, so that each decode rank's daemon knows which prefill
+    ranks write its heads."""
+    prefill = kit.scheduler(kit.vllm_config(model_dir, "kv_producer", extra={"bootstrap": PREFILL_BOOTSTRAP}, tp=2))
+    c = kit.request(range(100, 140), params.for_prefill(12), max_tokens=1)
+    prefill.add_request(c)
+    _, outputs = step(prefill)
+    (done,) = outputs[0].outputs
+    answer = done.kv_transfer_params
+    assert (answer["prefill_tp_size"], answer["prefill_pp_size"]) == (2, 1)
+    out, _ = step(prefill)  # the one send every prefill rank posts for its heads
+    assert out.kv_connector_metadata.sends == [kit.Transmit(req_id=c.request_id, room=12, pages=tuple(blocks_of(prefill, c)[:2]), num_tokens=40)]
+
+    decode = kit.scheduler(configs("kv_consumer"))  # TP1 here: its one rank reads both prefill ranks
+    a = kit.request(range(100, 140), {key: value for key, value in answer.items() if key != "remote_prefill_cached_tokens"})
+    decode.add_request(a)
+    out = decode.schedule()
+    (receive,) = out.kv_connector_metadata.receives
+    assert receive.room == 12 and receive.prefill_sizes == params.Sizes(tp=2, pp=1)
+    assert receive.pages == tuple(blocks_of(decode, a)[:2])
+
+
+def test_c2_pipeline_parallel_engines_are_refused_naming_the_way_out(kit, model_dir):
+    from pdxfer.core.errors import Unsupported
+
+    with pytest.raises(Unsupported, match="pipeline_parallel_size 2: .* run the engine with pipeline_parallel_size 1"):
+        kit.scheduler(kit.vllm_config(model_dir, "kv_consumer", tp=2, pp=2))
+
+
 def test_c3_aborts_before_scheduling_ask_nothing_of_the_worker_but_tell_the_decode(kit, configs):
     decode = kit.scheduler(configs("kv_consumer"))
     e = kit.request(range(100, 140), from_prefill(10))

@@ -9,7 +9,7 @@ import itertools
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -30,7 +30,9 @@ _ids = itertools.count(1)
 init_none_hash(sha256)
 
 
-def vllm_config(model: str, kv_role: str, policy: str = "fail", extra: dict | None = None) -> VllmConfig:
+def vllm_config(model: str, kv_role: str, policy: str = "fail", extra: dict | None = None, tp: int = 1, pp: int = 1) -> VllmConfig:
+    """An engine's config with PdxferConnector, of ``tp`` x ``pp`` ranks (the scheduler
+    half is one however many ranks there are)."""
     return VllmConfig(
         model_config=ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False),
@@ -41,6 +43,7 @@ def vllm_config(model: str, kv_role: str, policy: str = "fail", extra: dict | No
             kv_connector_extra_config={"daemon": "ipc:///nonexistent/scheduler-tests-need-no-daemon", **(extra or {})},
         ),
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
     )
 
 

@@ -50,7 +50,8 @@ class PdxferConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(vllm_config.cache_config.block_size, self.settings.engine_id, self.settings.bootstrap)
+            self._scheduler = SchedulerHalf(vllm_config.cache_config.block_size, self.settings.engine_id, self.settings.bootstrap,
+                                            self.settings.sizes)
         else:
             from .worker import WorkerHalf  # the worker's process alone talks to a daemon
 

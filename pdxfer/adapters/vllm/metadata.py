@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from .params import Sizes
+
 
 @dataclass(frozen=True)
 class Receive:
     """Decode: receive ``room`` into ``pages``, the request's blocks for page positions
     ``[skip_pages, skip_pages + len(pages))`` of its prompt; the first ``skip_pages``
-    are the request's local prefix-cache hit."""
+    are the request's local prefix-cache hit. Every rank receives the same blocks, each
+    its heads of them, from the prefill engine of ``prefill_sizes``."""
 
     req_id: str
     room: int
@@ -20,11 +23,13 @@ class Receive:
     engine: str
     pages: tuple[int, ...]
     skip_pages: int
+    prefill_sizes: Sizes = Sizes()
 
 
 @dataclass(frozen=True)
 class Transmit:
-    """Prefill: send the prompt's KV, ``pages`` being its blocks in order, to ``room``."""
+    """Prefill: send the prompt's KV, ``pages`` being its blocks in order, to ``room``
+    (every rank its own heads of them)."""
 
     req_id: str
     room: int

@@ -4,11 +4,14 @@ The proxy picks a room and sends the same prompt to both engines at once:
 
     prefill: {"do_remote_decode": true, "room": R}                      (max_tokens=1)
     decode:  {"do_remote_prefill": true, "room": R,
-              "prefill_bootstrap": "host:port", "prefill_engine": "<engine id>"}
+              "prefill_bootstrap": "host:port", "prefill_engine": "<engine id>",
+              "prefill_tp_size": T, "prefill_pp_size": P}
 
-The prefill's response carries the decode's params (``answer``), so a sequential
-NIXL-style proxy, which sends the prefill ``{"do_remote_decode": true}`` with no room and
-forwards what comes back to the decode, works too. Keys of other connectors are ignored.
+The prefill's response carries the decode's params (``answer``), its engine's TP and PP
+sizes included, so a sequential NIXL-style proxy, which sends the prefill
+``{"do_remote_decode": true}`` with no room and forwards what comes back to the decode,
+works too. The decode's daemon needs those sizes to know which prefill ranks write
+which heads of its pages (a size left out means 1). Keys of other connectors are ignored.
 
 Pure: no vLLM, no pdxfer client; the proxy imports it without an engine installed.
 """
@@ -27,6 +30,14 @@ PICKED_ROOMS = 2**53
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """An engine's tensor- and pipeline-parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True)
 class ToDecode:
     """A prefill request: compute the prompt, then send its KV to the room's decode."""
 
@@ -40,6 +51,7 @@ class FromPrefill:
     room: int
     bootstrap: str
     engine: str  # the prefill engine's id, for messages
+    sizes: Sizes = Sizes()  # the prefill engine's
 
 
 def new_room() -> int:
@@ -55,6 +67,18 @@ def _room(params: Mapping[str, Any], required: bool) -> int | None:
     return room
 
 
+def _size(params: Mapping[str, Any], key: str) -> int:
+    size = params.get(key, 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"kv_transfer_params {key} must be a positive integer (the prefill engine's), not {size!r}")
+    return size
+
+
+def sizes_of(params: Mapping[str, Any]) -> Sizes:
+    """The prefill's sizes named in ``params`` (a prefill's answer, or a decode's request)."""
+    return Sizes(tp=_size(params, "prefill_tp_size"), pp=_size(params, "prefill_pp_size"))
+
+
 def read(params: Mapping[str, Any] | None) -> ToDecode | FromPrefill | None:
     """What ``params`` ask of this engine: None for a request that is not disaggregated.
     Raises ValueError naming the field that is missing or malformed."""
@@ -65,7 +89,7 @@ def read(params: Mapping[str, Any] | None) -> ToDecode | FromPrefill | None:
         if not isinstance(bootstrap, str) or not bootstrap.rpartition(":")[2].isdigit():
             raise ValueError(f"kv_transfer_params prefill_bootstrap must be 'host:port' (the prefill daemon's bootstrap address), not {bootstrap!r}")
         engine = params.get("prefill_engine", "")
-        return FromPrefill(room=_room(params, required=True), bootstrap=bootstrap, engine=str(engine))
+        return FromPrefill(room=_room(params, required=True), bootstrap=bootstrap, engine=str(engine), sizes=sizes_of(params))
     if params.get("do_remote_decode"):
         return ToDecode(room=_room(params, required=False))
     return None
@@ -75,14 +99,16 @@ def for_prefill(room: int) -> dict[str, Any]:
     return {"do_remote_decode": True, "room": room}
 
 
-def for_decode(room: int, bootstrap: str, engine: str) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "room": room, "prefill_bootstrap": bootstrap, "prefill_engine": engine}
+def for_decode(room: int, bootstrap: str, engine: str, sizes: Sizes = Sizes()) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "room": room, "prefill_bootstrap": bootstrap, "prefill_engine": engine,
+            "prefill_tp_size": sizes.tp, "prefill_pp_size": sizes.pp}
 
 
-def answer(room: int, bootstrap: str | None, engine: str) -> dict[str, Any]:
+def answer(room: int, bootstrap: str | None, engine: str, sizes: Sizes) -> dict[str, Any]:
     """The prefill's ``kv_transfer_params`` in its response: the decode's request params
     (a sequential proxy forwards them as they are). Without a bootstrap address configured
-    on the prefill, only the room: a parallel proxy knows the rest."""
+    on the prefill, no ``prefill_bootstrap``: a parallel proxy knows it."""
+    out = for_decode(room, bootstrap or "", engine, sizes)
     if bootstrap is None:
-        return {"do_remote_prefill": True, "room": room, "prefill_engine": engine}
-    return for_decode(room, bootstrap, engine)
+        del out["prefill_bootstrap"]
+    return out

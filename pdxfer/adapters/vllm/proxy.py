@@ -3,8 +3,10 @@
 For each OpenAI request (/v1/completions, /v1/chat/completions) it picks a room and, at
 the same time, sends the prompt to a prefill engine with max_tokens=1 and
 kv_transfer_params {"do_remote_decode": true, "room": R}, and to a decode engine with
-{"do_remote_prefill": true, "room": R, "prefill_bootstrap": ..., "prefill_engine": ...}.
-The prefill's KV reaches the decode through the two pdxfer daemons while the decode
+{"do_remote_prefill": true, "room": R, "prefill_bootstrap": ..., "prefill_engine": ...,
+"prefill_tp_size": ..., "prefill_pp_size": ...}: the prefill engine's sizes, which each of
+its answers names (until a prefill engine first answered, a request's decode waits for
+its prefill's answer). The prefill's KV reaches the decode through the two pdxfer daemons while the decode
 waits; the client gets the decode's answer, streamed when it asked for a stream. When
 one engine refuses the request or cannot be reached while the other works on it, the
 other's request is closed (vLLM aborts it, and with it the room) and the client gets

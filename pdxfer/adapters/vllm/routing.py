@@ -66,6 +66,9 @@ class Proxy:
         self.sequential = sequential
         self._next_prefill = itertools.cycle(prefills)
         self._next_decode = itertools.cycle(decodes)
+        # Each prefill engine's TP and PP sizes, which the decode's daemon needs to know
+        # which prefill ranks write which heads: as the engine last answered.
+        self._sizes: dict[str, params.Sizes] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._background: set[asyncio.Task] = set()
@@ -127,8 +130,17 @@ class Proxy:
     async def _parallel(self, request: web.Request, prefill: Prefill, decode: str, body: dict, headers: dict) -> web.StreamResponse:
         room = params.new_room()
         started = asyncio.Event()  # the decode's answer began reaching the client
+        sizes = self._sizes.get(prefill.url)
         prefilling = asyncio.create_task(self._prefill(prefill, request.path, body, params.for_prefill(room), headers))
-        decoding = asyncio.create_task(self._decode(request, decode, body, params.for_decode(room, prefill.bootstrap, prefill.url), headers, started))
+        if sizes is None:
+            # Until a prefill engine has answered once, the proxy does not know its sizes:
+            # its decode request waits for the prefill's answer, which names them.
+            await asyncio.wait((prefilling,))
+            sizes = self._sizes.get(prefill.url, params.Sizes())
+            if prefilling.exception() is not None:
+                raise prefilling.exception()
+        decoding = asyncio.create_task(self._decode(request, decode, body, params.for_decode(room, prefill.bootstrap, prefill.url, sizes),
+                                                    headers, started))
         await asyncio.wait((prefilling, decoding), return_when=asyncio.FIRST_COMPLETED)
         # One engine failed while the other still works on the room: closing the other's
         # request aborts it in vLLM, which aborts the room, rather than leaving it to the
@@ -165,9 +177,25 @@ class Proxy:
         except aiohttp.ClientError as exc:
             raise Failed(error(502, f"prefill engine {prefill.url}: {exc}")) from None
         try:
-            return json.loads(data).get("kv_transfer_params")
+            kv = json.loads(data).get("kv_transfer_params")
         except (json.JSONDecodeError, AttributeError):
             raise Failed(error(502, f"prefill engine {prefill.url} answered something other than a JSON object")) from None
+        self._learn(prefill, kv)
+        return kv
+
+    def _learn(self, prefill: Prefill, kv: dict | None) -> None:
+        """The prefill engine's sizes as its answer names them (an engine restarted with
+        other sizes is followed)."""
+        if not isinstance(kv, dict):
+            return
+        try:
+            sizes = params.sizes_of(kv)
+        except ValueError as exc:
+            log.warning("prefill engine %s: %s", prefill.url, exc)
+            return
+        if self._sizes.get(prefill.url) != sizes:
+            log.info("prefill engine %s runs TP %d, PP %d", prefill.url, sizes.tp, sizes.pp)
+            self._sizes[prefill.url] = sizes
 
     async def _decode(self, request: web.Request, decode: str, body: dict, kv: dict, headers: dict, started: asyncio.Event) -> web.StreamResponse:
         """The decode engine's answer, relayed as it comes when the client streams."""

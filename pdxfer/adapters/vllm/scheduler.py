@@ -7,7 +7,9 @@ hands its prompt's blocks to the worker half for a send and keeps them until the
 settled; one that did not (an abort) aborts its room, so the decode learns at once.
 
 One instance per engine core, driven by vLLM's scheduler on one thread. It never talks
-to a daemon: the worker half does, and reports back through get_finished.
+to a daemon: the worker half does, one per rank, each posting the same rooms for its
+own rank, and vLLM counts a request finished once every rank reported it
+(get_finished).
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def pages_for(tokens: int, block_size: int) -> int:
 
 
 class SchedulerHalf:
-    def __init__(self, block_size: int, engine_id: str, bootstrap: str | None) -> None:
+    def __init__(self, block_size: int, engine_id: str, bootstrap: str | None, sizes: params.Sizes) -> None:
         self.block_size = block_size
         self.engine_id = engine_id
         self.bootstrap = bootstrap  # this engine's daemon, named in the prefill's answer
+        self.sizes = sizes  # this engine's, named in the prefill's answer
         self._asks: dict[str, ToDecode | FromPrefill] = {}  # disaggregated requests by id, until they finish
         self._loaded: set[str] = set()  # decode requests that had their one remote load
         self._receiving: dict[str, int] = {}  # decode: room of each receive the worker runs, until it reports it
@@ -81,7 +84,8 @@ class SchedulerHalf:
         skip = local // self.block_size
         (block_ids,) = blocks.get_block_ids()
         pages = tuple(block_ids[skip : pages_for(request.num_prompt_tokens, self.block_size)])
-        self._meta.receives.append(Receive(req_id=req_id, room=ask.room, bootstrap=ask.bootstrap, engine=ask.engine, pages=pages, skip_pages=skip))
+        self._meta.receives.append(Receive(req_id=req_id, room=ask.room, bootstrap=ask.bootstrap, engine=ask.engine, pages=pages, skip_pages=skip,
+                                          prefill_sizes=ask.sizes))
         self._receiving[req_id] = ask.room
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdxferMetadata:
@@ -113,7 +117,7 @@ class SchedulerHalf:
         pages = tuple(block_ids[: pages_for(request.num_prompt_tokens, self.block_size)])
         self._meta.sends.append(Transmit(req_id=req_id, room=room, pages=pages, num_tokens=request.num_prompt_tokens))
         self._sending[req_id] = room
-        return True, params.answer(room, self.bootstrap, self.engine_id)
+        return True, params.answer(room, self.bootstrap, self.engine_id, self.sizes)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._sending)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...core import config as config_mod
 from ...core.errors import Unsupported
 from ...core.protocol import Role
+from .params import Sizes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,6 +25,7 @@ class Settings:
     engine_id: str
     daemon: str  # the local daemon's engine endpoint
     bootstrap: str | None  # prefill: its daemon's bootstrap address, for sequential proxies
+    sizes: Sizes  # the engine's TP and PP sizes (every rank's worker names its own rank to the daemon)
     aux_slots: int
     timeout: float  # seconds a call to the daemon may take, once registered
 
@@ -34,14 +36,15 @@ def settings(vllm_config: VllmConfig) -> Settings:
     if role is None:
         raise Unsupported(f"kv_role {kv.kv_role!r}: a pdxfer daemon serves one role; run the engine as kv_producer (prefill) or kv_consumer (decode)")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise Unsupported(
-            f"tensor_parallel_size {parallel.tensor_parallel_size}, pipeline_parallel_size {parallel.pipeline_parallel_size}: "
-            "PdxferConnector moves TP1, PP1 engines so far (ENGINES.md §7.D step 3); multi-rank engines come with per-rank legs"
+            f"pipeline_parallel_size {parallel.pipeline_parallel_size}: PdxferConnector moves engines of one pipeline stage so far "
+            "(any tensor_parallel_size); run the engine with pipeline_parallel_size 1"
         )
     if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
         raise Unsupported("MLA models: PdxferConnector registers head-major (LBHNC) KV only so far")
     extra = kv.kv_connector_extra_config
     daemon = extra.get("daemon") or config_mod.load({"role": role.value}).engine_address
     return Settings(role=role, engine_id=kv.engine_id, daemon=daemon, bootstrap=extra.get("bootstrap"),
+                    sizes=Sizes(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size),
                     aux_slots=int(extra.get("aux_slots", DEFAULT_AUX_SLOTS)), timeout=float(extra.get("timeout", DEFAULT_TIMEOUT)))

@@ -1,5 +1,7 @@
 """The worker half of PdxferConnector (ENGINES.md §7.C4): in the process that owns the KV
-cache, the only part that talks to the pdxfer daemon.
+cache, the only part that talks to the pdxfer daemon. An engine of several TP ranks has
+one per rank, each naming its rank to the node's daemon, which works out the legs
+between the prefill's ranks and the decode's (core/topology.py).
 
 Each step it posts what the scheduler half handed over (receives, sends, aborts) without
 waiting, then polls the rooms in flight from the statuses the daemon pushed. A room is
@@ -19,11 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
 
 from ...client import Client, Slot, settled
 from ...core import errors
-from ...core.protocol import RoomState, RoomStatus
+from ...core.protocol import Rank, RoomState, RoomStatus
 from .metadata import PdxferMetadata, Receive, Transmit
 from .registration import Registration, register
 
@@ -57,6 +60,9 @@ class WorkerHalf:
         model = vllm_config.model_config
         self.settings = settings
         self.shape = (model.get_total_num_hidden_layers(), model.get_total_num_kv_heads(), model.get_head_size())
+        # vLLM set up its parallel groups before it made the connector
+        self.rank = Rank(tp=get_tensor_model_parallel_rank(), pp=get_pp_group().rank_in_group)
+        self.sizes = Rank(tp=settings.sizes.tp, pp=settings.sizes.pp)
         self.client: Client | None = None
         self.registration: Registration | None = None
         self._retry_at = 0.0
@@ -72,15 +78,16 @@ class WorkerHalf:
         num_layers, kv_heads, head_dim = self.shape
         self.registration = register(kv_caches, extract_layer_index, num_layers, kv_heads, head_dim)
         self.client = self._connect(REGISTER_TIMEOUT)
-        log.info("pdxfer: %s registered %d layers in %d buffers (%s) with the daemon at %s", self.settings.engine_id,
-                 len(self.registration.regions), len(self.registration.buffers), self.registration.device, self.settings.daemon)
+        log.info("pdxfer: %s TP rank %d of %d registered %d layers in %d buffers (%s) with the daemon at %s", self.settings.engine_id,
+                 self.rank.tp, self.sizes.tp, len(self.registration.regions), len(self.registration.buffers), self.registration.device,
+                 self.settings.daemon)
 
     def _connect(self, timeout: float) -> Client:
         """A connection to the daemon holding this engine's registration and a stamp-only
         aux buffer (vLLM recomputes the last prompt token: no aux record, C4)."""
         reg = self.registration
         client = Client(self.settings.daemon, timeout=timeout, engine_id=self.settings.engine_id, slot_batch=SLOT_BATCH,
-                        role=self.settings.role, device=reg.device)
+                        role=self.settings.role, rank=self.rank, sizes=self.sizes, device=reg.device)
         try:
             client.connect()
             client.register_kv(reg.buffers, reg.spec, reg.regions)
@@ -150,7 +157,9 @@ class WorkerHalf:
         r = self._receiving[receive.req_id]
         try:
             r.slot = self.client.alloc_slot()
-            self.client.expect(receive.room, receive.bootstrap, receive.pages, r.slot, skip_pages=receive.skip_pages, wait=False)
+            prefill = receive.prefill_sizes
+            self.client.expect(receive.room, receive.bootstrap, receive.pages, r.slot, skip_pages=receive.skip_pages,
+                               prefill_sizes=Rank(tp=prefill.tp, pp=prefill.pp), wait=False)
         except errors.DaemonGone:
             raise
         except errors.PdxferError as exc:
