@@ -238,6 +238,52 @@ def test_c2_a_sequential_proxy_and_a_stream_give_the_same_tokens(pd):
     assert streamed == reference_ids(pd, [stream])[0]
 
 
+def test_c5_tp2_and_tp1_engines_through_the_same_daemons_match_a_single_engine(pd):
+    """A TP2 prefill server beside the TP1 prefill on its daemon, and a TP2 decode server
+    beside the TP1 decode on its own: each rank (one of the model's two KV heads, in a
+    worker process of vLLM's, gloo between them) registers with its node's daemon.
+    TP2 -> TP1: the decode daemon gathers each room from both prefill ranks, each writing
+    its head into the decode's pages; TP1 -> TP2: the prefill rank writes each decode
+    rank its head. The parallel proxy learns each prefill's TP from its first answer.
+    Every output equals the plain TP1 engine's; the bytes are the blocks expected."""
+    lanes = {d.role: f"http://127.0.0.1:{d.ready['http_port']}" for d in (pd.prefill_daemon, pd.decode_daemon)}
+    lanes_before = {role: metric(url, "pdxfer_lanes") for role, url in lanes.items()}
+    servers, proxies = [], []
+    try:
+        prefill2 = start_server("prefill-tp2", pd.workdir, pd.model_dir, tensor_parallel=2,
+                                kv_transfer_config=pdxfer_kv_config("kv_producer", pd.prefill_daemon.engine, "prefill-tp2"))
+        servers.append(prefill2)
+        decode2 = start_server("decode-tp2", pd.workdir, pd.model_dir, tensor_parallel=2,
+                               kv_transfer_config=pdxfer_kv_config("kv_consumer", pd.decode_daemon.engine, "decode-tp2"))
+        servers.append(decode2)
+        for server in servers:
+            server.wait_ready()
+        assert {role: metric(url, "pdxfer_lanes") - lanes_before[role] for role, url in lanes.items()} == {"prefill": 2, "decode": 2}
+        for name, prefill, decode in [("tp2-to-tp1", prefill2.url, pd.decode.url), ("tp1-to-tp2", pd.prefill.url, decode2.url)]:
+            proc, url = start_proxy(["--prefill", prefill, "--bootstrap", pd.prefill_daemon.bootstrap, "--decode", decode],
+                                    f"{pd.workdir}/proxy-{name}.log")
+            proxies.append((name, proc, url))
+
+        rng = random.Random(5)
+        for (name, _, url), decode_tp in zip(proxies, (1, 2)):
+            wave = [Request(tuple(rng.randrange(3, model.VOCAB_SIZE) for _ in range(n)), OUTPUT_TOKENS) for n in (7, 32, 45, 96, 130, 260, 333, 511)]
+            before = counters(pd)
+            got = token_ids(through(url, pd, wave))
+            assert got == reference_ids(pd, wave), name
+            moved = {k: v - before[k] for k, v in counters(pd).items()}
+            # every block of every prompt (fresh ids: no prefix hit), every head of every
+            # layer, once; the aux record (a stamp) once per decode rank
+            kv_bytes = sum(pages(len(r.input_ids)) for r in wave) * PAGE_BYTES * model.NUM_LAYERS
+            want = {"succeeded": decode_tp * len(wave), "moved": kv_bytes, "received": kv_bytes + decode_tp * len(wave) * HEADER_BYTES}
+            assert moved == want, name
+    finally:
+        for _, proc, _ in proxies:
+            proc.terminate()
+            proc.wait(30)
+        for server in servers:
+            server.stop()
+
+
 def test_a10_a_killed_prefill_daemon_fails_its_requests_and_none_hangs(pd):
     """The prefill daemon stops (SIGSTOP) and is killed (SIGKILL) while a wave's rooms
     are in it. Every request ends at once with an error (the decode's

@@ -31,12 +31,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(model_dir: str, port: int, kv_transfer_config: dict | None = None) -> list[str]:
-    """The server's command line: the engine settings of vllm_engines.ENGINE_ARGS as flags."""
+def serve_argv(model_dir: str, port: int, kv_transfer_config: dict | None = None, tensor_parallel: int = 1) -> list[str]:
+    """The server's command line: the engine settings of vllm_engines.ENGINE_ARGS as flags.
+    TP ranks run in worker processes of vLLM's multiprocessing executor (gloo between
+    them on CPU)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--enforce-eager", "--dtype", ENGINE_ARGS["dtype"], "--block-size", str(BLOCK_SIZE),
             "--seed", str(ENGINE_ARGS["seed"]), "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
             "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"])]
+    if tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return argv
@@ -86,7 +90,8 @@ class Server:
         self.proc.wait()
 
 
-def start_server(name: str, workdir: str, model_dir: str, kv_transfer_config: dict | None = None, policy: str | None = None) -> Server:
+def start_server(name: str, workdir: str, model_dir: str, kv_transfer_config: dict | None = None, policy: str | None = None,
+                 tensor_parallel: int = 1) -> Server:
     """Start (not wait for) a server; ``wait_ready`` next."""
     port = free_port()
     if kv_transfer_config is not None and policy is not None:
@@ -96,7 +101,7 @@ def start_server(name: str, workdir: str, model_dir: str, kv_transfer_config: di
     env.update(SERVER_ENV)
     log_path = os.path.join(workdir, f"{name}.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(serve_argv(model_dir, port, kv_transfer_config), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(serve_argv(model_dir, port, kv_transfer_config, tensor_parallel), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Server(name, f"http://127.0.0.1:{port}", proc, log_path)
 
