@@ -203,6 +203,19 @@ async def test_c2_a_prefill_refusal_ends_the_request_and_closes_the_decodes(prox
     await asyncio.wait_for(decode.closed_early.wait(), 10)  # vLLM aborts a request whose connection closed
 
 
+async def test_c2_a_first_prefill_refusal_ends_the_request_before_the_decode_is_asked(proxied):
+    """Until the prefill's sizes are known the decode waits for its answer: a refusal
+    then is the client's answer, and the decode never hears of the room."""
+
+    async def refuse(request, body):
+        return web.json_response({"error": {"message": "prompt too long", "code": 400}}, status=400)
+
+    url, prefill, decode = await proxied(refuse, completion)
+    status, answer = await asyncio.wait_for(post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}), 20)
+    assert (status, answer["error"]["message"]) == (400, "prompt too long")
+    assert len(prefill.bodies) == 1 and decode.bodies == []
+
+
 async def test_c2_an_unreachable_decode_closes_the_prefills_request(proxied):
     async def hold(request, body):
         await asyncio.sleep(60)
