@@ -244,7 +244,7 @@ def test_c5_tp2_and_tp1_engines_through_the_same_daemons_match_a_single_engine(p
     worker process of vLLM's, gloo between them) registers with its node's daemon.
     TP2 -> TP1: the decode daemon gathers each room from both prefill ranks, each writing
     its head into the decode's pages; TP1 -> TP2: the prefill rank writes each decode
-    rank its head. The parallel proxy learns each prefill's TP from its first answer; a
+    rank its head; TP2 -> TP2: each prefill rank writes its decode rank whole pages. The parallel proxy learns each prefill's TP from its first answer; a
     sequential one forwards the answer, which names it. Every output equals the plain
     TP1 engine's; the bytes are the blocks expected."""
     lanes = {d.role: f"http://127.0.0.1:{d.ready['http_port']}" for d in (pd.prefill_daemon, pd.decode_daemon)}
@@ -263,13 +263,14 @@ def test_c5_tp2_and_tp1_engines_through_the_same_daemons_match_a_single_engine(p
         assert {role: metric(url, "pdxfer_lanes") - lanes_before[role] for role, url in lanes.items()} == {"prefill": 2, "decode": 2}
         routes = {"tp2-to-tp1": ["--prefill", prefill2.url, "--bootstrap", pd.prefill_daemon.bootstrap, "--decode", pd.decode.url],
                   "tp1-to-tp2": ["--prefill", pd.prefill.url, "--bootstrap", pd.prefill_daemon.bootstrap, "--decode", decode2.url],
+                  "tp2-to-tp2": ["--prefill", prefill2.url, "--bootstrap", pd.prefill_daemon.bootstrap, "--decode", decode2.url],
                   "tp2-to-tp1-sequential": ["--sequential", "--prefill", prefill2.url, "--decode", pd.decode.url]}
         for name, argv in routes.items():
             proc, url = start_proxy(argv, f"{pd.workdir}/proxy-{name}.log")
             proxies.append((name, proc, url))
 
         rng = random.Random(5)
-        for (name, _, url), decode_tp in zip(proxies, (1, 2, 1)):
+        for (name, _, url), decode_tp in zip(proxies, (1, 2, 2, 1), strict=True):
             wave = [Request(tuple(rng.randrange(3, model.VOCAB_SIZE) for _ in range(n)), OUTPUT_TOKENS) for n in (7, 32, 45, 96, 130, 260, 333, 511)]
             before = counters(pd)
             got = token_ids(through(url, pd, wave))
