@@ -339,7 +339,7 @@ def test_an_error_reply_raises_with_its_own_code(code):
 
 def test_a_hello_without_sessions_still_decodes(codec):
     """A decode daemon from before several engines per daemon sends no sessions: the
-    prefill then writes through its one session (prefill.DecodePeer.sessions)."""
+    prefill then writes through its one session (prefill_state.DecodePeer.sessions)."""
     hello = SAMPLES[p.PeerHello][0]
     raw = msgspec.msgpack.encode({k: v for k, v in msgspec.to_builtins(hello).items() if k != "sessions"})
     assert codec.peer_messages.decode(raw).sessions == ()

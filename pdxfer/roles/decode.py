@@ -28,18 +28,19 @@ prefill's clock (this side bounds the offset from the prefill's answers). Messag
 link arrive in order, so a room not failed when the prefill reads one was live when it
 was sent, and is held at least that long; the prefill writes to this side only before
 the newest leave it read. Requests wait for the link's first offset (the welcome).
+
+Here: the engine side, the bootstrap channel, peer health and fencing. Asking for a
+room (legs, gathering) is decode_requests.py; deciding it landed, decode_verify.py;
+the records kept, decode_state.py.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
-from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 
 from ..core import errors, paths
 from ..core.config import Config
@@ -55,7 +56,6 @@ from ..core.protocol import (
     Heartbeat,
     HeartbeatAck,
     LaneInfo,
-    LegRequest,
     LegWritten,
     Message,
     Ok,
@@ -67,7 +67,6 @@ from ..core.protocol import (
     Role,
     RoomAccepted,
     RoomState,
-    RoomAck,
     RoomFailed,
     RoomRequest,
     TransferStarted,
@@ -75,18 +74,16 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
-from ..core.stamp import HEADER_BYTES, Stamp, verify
-from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key, room_of
+from ..core.topology import decode_rank_of, room_key, room_of
 from ..transport import Peer, primary
 from .base import RoomService
+from .decode_requests import RoomRequests
+from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink
+from .decode_verify import RoomVerification
 from .pools import Lane, compat
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
-
-# Offset samples kept per link: the best (largest) of the recent ones is used; older
-# ones go, since two hosts' monotonic clocks drift apart (tens of ppm).
-OFFSET_SAMPLES = 8
 
 
 @functools.lru_cache(maxsize=1024)  # parsed for every expect(); prefill addresses are few
@@ -101,82 +98,7 @@ def bootstrap_endpoint(address: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-@dataclass(eq=False)
-class PrefillLink:
-    endpoint: str
-    last_heard: float
-    last_beat: float = 0.0
-    beats: int = 0
-    incarnation: str = ""
-    session: str = ""
-    ready: bool = False
-    rooms: set[int] = field(default_factory=set)
-    unfenced: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # released rooms' (lane, slot, generation) waiting for this prefill
-    draining: bool = False
-    beat_wall: float = 0.0  # wall clock when the last heartbeat left
-    rtt: float = -1.0  # seconds, from the last answered heartbeat
-    skew: float = 0.0  # the prefill's wall clock minus ours
-    connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
-    # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
-    # each was read there before the answer left and here after it arrived.
-    offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
-    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset, by room id
-    # Connections lost so far: a room's request leaves on the connection of its epoch, so
-    # rooms asked for after the last loss reached whoever answers on the next one.
-    epoch: int = 0
-
-    def clock_sample(self, theirs: float, now: float) -> None:
-        if theirs:
-            self.offsets.append(theirs - now)
-
-    def writes_until(self, now: float, span: float) -> float:
-        """Leave to write for ``span`` seconds from ``now``, on the prefill's clock and
-        never later than the truth; 0 before its clock was seen."""
-        return now + max(self.offsets) + span if self.offsets else 0.0
-
-
-@dataclass(eq=False)
-class LegState:
-    """One leg of a decode rank's room (ENGINES.md §7.A4): one prefill rank's part."""
-
-    request: LegRequest
-    landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
-    peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
-    peer_failed: bool = False  # the failure came from that prefill rank: it knows
-    first_check: float = 0.0  # first verification attempt of what landed
-
-    @property
-    def whole(self) -> bool:
-        """Whole pages of every layer: what --verify-kv's digest covers."""
-        return self.request.head_count == 0 and self.request.layers == (0, 0)
-
-
-@dataclass(eq=False)
-class DecodeWork:
-    engine: bytes
-    link: str
-    memory_version: int
-    pages: np.ndarray
-    legs: dict[int, LegState]  # by leg code
-    epoch: int = 0  # its link's epoch when it was asked for
-    started: float = 0.0  # when we learnt the prefill began writing
-
-    @property
-    def peer_fenced(self) -> bool:
-        """No prefill rank of the room has a write in flight for it."""
-        return all(leg.peer_fenced for leg in self.legs.values())
-
-
-@dataclass(eq=False)
-class PendingRequest:
-    """A room's legs from the local ranks that expected it so far, before its request
-    leaves for the prefill daemon (A5)."""
-
-    link: PrefillLink
-    legs: list[LegRequest]
-
-
-class DecodeService(RoomService):
+class DecodeService(RoomRequests, RoomVerification, RoomService):
     role = Role.DECODE
 
     def __init__(self, config: Config, incarnation: str, port: DecodePort, *, sessions: Peer, probe_base: int, engine_release: str) -> None:
@@ -222,79 +144,6 @@ class DecodeService(RoomService):
         link.rooms.add(room.id)
         self._gather(link, msg.room, lane, legs)
         return Ok(req=msg.req)
-
-    def _leg_requests(self, lane: Lane, msg: Expect) -> list[LegRequest]:
-        """This rank's legs of the room (core/topology.py): which prefill ranks write
-        which heads and layers into its pages, and which one carries the aux record."""
-        spec = lane.registered_kv().spec
-        prefill_tp, prefill_pp = msg.prefill_sizes.tp or 1, msg.prefill_sizes.pp or 1
-        try:
-            expected = spec.heads.total if spec.mla else local_heads(spec.heads.total, lane.sizes.tp)
-            if spec.heads.local != expected:
-                raise errors.BadMessage(
-                    f"{lane.name} registered {spec.heads.local} local KV heads, but {spec.heads.total} heads over TP "
-                    f"{lane.sizes.tp} give each rank {expected}")
-            legs = legs_for_decode_rank(prefill_tp, lane.sizes.tp, spec.heads.total, lane.rank.tp, spec.mla, prefill_pp,
-                                        lane.sizes.pp, num_layers=spec.num_layers_total, decode_stage=lane.rank.pp)
-        except PdxferError as exc:
-            raise PdxferError(exc.message, code=exc.code, room=msg.room) from None
-        prefill_heads = spec.heads.total if spec.mla else local_heads(spec.heads.total, prefill_tp)
-        fan_out = max(1, lane.sizes.tp // prefill_tp)  # how many decode ranks each prefill rank writes to
-        out = []
-        for leg in legs:
-            whole_heads = leg.head_count == spec.heads.local == prefill_heads
-            whole_layers = (leg.layer_start, leg.layer_end) == (0, spec.num_layers_total)
-            out.append(LegRequest(
-                leg=leg_code(leg), lane=lane.index, pages=msg.pages,
-                slot=msg.slot if leg.carries_aux else 0, generation=msg.generation if leg.carries_aux else 0,
-                memory_version=msg.memory_version, num_draft_tokens=msg.num_draft_tokens, skip_pages=msg.skip_pages,
-                real=leg.real, src_head_start=0 if whole_heads else leg.src_head_start,
-                head_count=0 if whole_heads else leg.head_count, dst_head_start=0 if whole_heads else leg.dst_head_start,
-                layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end), fan_out=fan_out,
-            ))
-        return out
-
-    def _gather(self, link: PrefillLink, room_id: int, lane: Lane, legs: list[LegRequest]) -> None:
-        """A5: one request per room per prefill daemon, with the legs of every local rank
-        of the engine; it leaves once they all expected the room, or after expect_batch_ms."""
-        key = (link.endpoint, room_id)
-        pending = self.pending.get(key)
-        if pending is None:
-            self.pending[key] = pending = PendingRequest(link, [])
-        pending.legs.extend(legs)
-        if all(self.rooms.find(room_key(room_id, self.lanes[i].code)) is not None for i in self._siblings(lane)):
-            self._flush(key, pending)
-        elif len(pending.legs) == len(legs):  # the first rank's: the others have expect_batch_ms to follow
-            self.port.later(self.config.expect_batch_ms / 1000, lambda: self._flush(key, pending))
-
-    def _siblings(self, lane: Lane) -> set[int]:
-        """The registered lanes of ``lane``'s engine and DP rank: every one expects each of its rooms."""
-        return {other.index for other in self.lanes
-                if other.ready and other.engine_id == lane.engine_id and other.rank.dp == lane.rank.dp} | {lane.index}
-
-    def _flush(self, key: tuple[str, int], pending: PendingRequest) -> None:
-        if self.pending.get(key) is not pending:
-            return  # sent already
-        del self.pending[key]
-        if not pending.legs:
-            return
-        link, room_id = pending.link, key[1]
-        request = RoomRequest(
-            room=room_id, legs=tuple(pending.legs), lease_ms=int(self.config.transfer_timeout * 1000),
-            writes_until=link.writes_until(self.clock(), self._leave_span),
-        )
-        if link.offsets:
-            self.port.send_link(link.endpoint, request)
-        elif room_id in link.held:  # a later rank's legs join those already waiting for the welcome
-            held = link.held[room_id]
-            link.held[room_id] = msgspec.structs.replace(held, legs=held.legs + request.legs)
-        else:  # its leave to write needs the prefill's clock: the welcome brings it
-            link.held[room_id] = request
-
-    def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
-        """A request held until the link knew the prefill's clock, with its leave to write from now."""
-        leave = link.writes_until(self.clock(), self._leave_span)
-        self.port.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
 
     @property
     def _leave_span(self) -> float:
@@ -524,129 +373,6 @@ class DecodeService(RoomService):
         """Fail the link's rooms (those asked for before epoch ``before``, when given)."""
         for room in self._link_rooms(link, before):
             self.fail(room, code, reason)
-
-    # --- verification
-
-    def _leg_record(self, link: PrefillLink, room: Room, msg: AuxRecord | LegWritten) -> None:
-        """A prefill rank wrote every KV block of its leg (LegWritten), and for the leg that
-        carries it the aux record after them (AuxRecord)."""
-        w = self.work[room.id]
-        leg = w.legs[msg.leg]
-        leg.peer_fenced = True  # the prefill sends these only after its writes completed
-        if room.finished:
-            return
-        if isinstance(msg, AuxRecord) != leg.request.carries_aux:
-            what = "an aux record" if isinstance(msg, AuxRecord) else "no aux record"
-            self.fail(room, ErrorCode.BAD_MESSAGE, f"prefill rank of leg {msg.leg:#x} sent {what}, but the leg that carries it is another")
-            return
-        if isinstance(msg, AuxRecord) and not self._aux_arrived(room, w, msg):
-            return
-        leg.first_check = self.clock()
-        self._check_landed(link.endpoint, room, msg)
-
-    def _aux_arrived(self, room: Room, w: DecodeWork, msg: AuxRecord) -> bool:
-        """The aux record is aimed at the room's own slot; one that travelled here is
-        checked and written. False when that failed the room."""
-        aux = self._aux(room)
-        slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
-        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (room.id, msg.generation):
-            holder = f"room {room_of(slot.room)} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
-            reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"
-            self.fail(room, ErrorCode.AUX_STAMP_MISMATCH, reason)
-            victim = self.rooms.find(slot.room) if slot is not None and slot.room != room.id else None
-            if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
-                self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
-            return False
-        try:
-            if not msg.via_transfer_engine:  # the record carries the aux itself: check it, then write it
-                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-                verify(sent, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation, payload=msg.payload)
-                aux.write(msg.slot, sent, msg.payload)
-            if msg.kv:
-                self._land_inline_kv(room, w, msg)
-        except PdxferError as exc:
-            self.fail(room, exc.code, exc.message)
-            return False
-        return True
-
-    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord | LegWritten) -> None:
-        """Check the bytes of a leg that landed: the stamp in the slot (when the transfer
-        engine wrote it) and the KV digest. A write reported complete may not be
-        visible yet (asynchronous paths), so a mismatch is re-checked until
-        visibility_grace has passed; never Success before."""
-        if room.finished or self.rooms.find(room.id) is not room:
-            return
-        w = self.work[room.id]
-        leg = w.legs[msg.leg]
-        try:
-            if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
-                aux = self._aux(room)
-                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
-                landed = aux.header(msg.slot)
-                verify(landed, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation,
-                       payload=aux.payload(msg.slot, landed.length if landed else 0))
-                if landed != sent:
-                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room_of(room.id))
-            self._check_digest(room, w, leg, msg)
-        except PdxferError as exc:
-            waited = self.clock() - leg.first_check
-            if waited < self.config.visibility_grace:
-                delay = min(self.config.visibility_grace - waited, max(0.001, waited))
-                self.port.later(delay, lambda: self._check_landed(endpoint, room, msg))
-                return
-            self.fail(room, exc.code, exc.message)
-            return
-        nbytes = msg.kv_pages * self._leg_page_bytes(room, leg.request)
-        if isinstance(msg, AuxRecord):
-            self._aux(room).slots.mark_written(msg.slot, msg.generation, self.clock())
-            nbytes += HEADER_BYTES + msg.length
-        leg.landed = True
-        room.bytes_moved += nbytes
-        if all(other.landed for other in w.legs.values()):
-            self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
-            for code, other in w.legs.items():
-                if other.request.real:
-                    self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
-
-    def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
-        """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""
-        kv = self._kv(room)
-        start, end = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
-        page = sum(r.page_bytes for r in kv.regions if start <= r.layer < end)
-        return page * leg.head_count // kv.spec.heads.local if leg.head_count else page
-
-    def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
-        """Write a small room's KV that came inside its record. The room is live and
-        its slot armed for it (checked before), so its pages are still its own, and
-        nothing of it can land later: this is the only write."""
-        kv = self._kv(room)
-        limit = paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes)
-        if len(msg.kv) > limit:
-            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room_of(room.id), side=errors.Side.PEER)
-        self._check_written_pages(room, w, msg)
-        if len(msg.kv) != msg.kv_pages * kv.page_bytes:
-            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room_of(room.id), side=errors.Side.PEER)
-        kv.scatter(w.pages[: msg.kv_pages], msg.kv)
-
-    @staticmethod
-    def _check_written_pages(room: Room, w: DecodeWork, msg: AuxRecord) -> None:
-        if msg.kv_pages > w.pages.size:
-            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room_of(room.id))
-
-    def _check_digest(self, room: Room, w: DecodeWork, leg: LegState, msg: AuxRecord | LegWritten) -> None:
-        """--verify-kv: the digest of the pages written against the prefill's. Only legs of
-        whole pages carry one: a head or layer slice is not what digest() covers."""
-        if not self.config.verify_kv or not leg.whole:
-            return
-        if not msg.kv_digested:
-            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH)
-        self._check_written_pages(room, w, msg)
-        actual = self._kv(room).digest(w.pages[: msg.kv_pages])
-        if actual != msg.kv_digest:
-            raise PdxferError(
-                f"KV digest {actual:#010x} over {msg.kv_pages} pages does not match the prefill's {msg.kv_digest:#010x}",
-                room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH,
-            )
 
     # --- peer health
 

@@ -19,48 +19,30 @@ No block of a room is submitted after its lease (the transfer timeout, counted f
 when its writes start), nor after the newest leave to write its decode daemon gave
 (protocol.Heartbeat): that is what lets the decode side release a dead or cut-off
 writer's destination after a bound of its own.
+
+Here: the engine side, the bootstrap channel (hello, requests, acks, failures) and peer
+health. Writing a room part is prefill_writes.py; a rank's parts for several decode
+ranks, fan_out.py; the records kept, prefill_state.py.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import math
-import zlib
-from dataclasses import dataclass, field
-
-import msgspec
-import numpy as np
 
 from ..core import errors, paths
 from ..core.config import Config
 from ..core.errors import PdxferError
 from ..core.liveness import resumed
-from ..core.plan import (
-    Blocks,
-    check_capacity,
-    check_memory_version,
-    check_pages,
-    check_positions,
-    check_source,
-    chunk_pages,
-    pages_from_bytes,
-    plan_blocks,
-    plan_leg_blocks,
-)
+from ..core.plan import check_pages, check_source, pages_from_bytes
 from ..core.protocol import (
     UNDECODABLE,
     PROTOCOL_VERSION,
     Announce,
-    AuxRecord,
     ErrorCode,
     Heartbeat,
     HeartbeatAck,
-    KVRegion,
-    LaneInfo,
     LegRequest,
-    LegWritten,
     Message,
     Ok,
     PeerError,
@@ -74,113 +56,26 @@ from ..core.protocol import (
     RoomFailed,
     RoomRequest,
     RoomState,
-    RoomStatus,
     Send,
     TransferStarted,
-    compat_diff,
     tag_of,
 )
 from ..core.rooms import Event, Room
-from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import decode_rank_of, fan_key, prefill_rank_of, room_key, room_of
-from ..transport import Job, Peer, label, primary
+from ..transport import Peer, label, primary
 from .base import RoomService
-from .pools import compat
+from .fan_out import FanOutParts
 from .ports import PrefillPort
+from .prefill_state import Chunk, DecodePeer, PrefillWork
+from .prefill_writes import RoomWrites
 
 log = logging.getLogger("pdxfer.prefill")
 
 EARLY_BYTES = 64 * 1024 * 1024  # peer messages held for an engine that has not registered yet
 
 
-@dataclass(eq=False)
-class DecodePeer:
-    """A decode daemon that said hello on the bootstrap channel."""
 
-    identity: bytes
-    hello: PeerHello
-    last_heard: float
-    lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index (from hello)
-    rooms: set[int] = field(default_factory=set)
-    draining: bool = False
-    skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
-    writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
-
-    def __post_init__(self) -> None:
-        self.said(self.hello)
-
-    def said(self, hello: PeerHello) -> None:
-        """Its latest hello: where each of its ranks' memory is now."""
-        self.hello, self.lanes = hello, {lane.index: lane for lane in hello.lanes}
-
-    @property
-    def label(self) -> str:
-        return self.hello.session
-
-    @property
-    def sessions(self) -> Peer:
-        """Where its KV is written: every session it announced, or the one (a daemon before striping)."""
-        return self.hello.sessions or (self.hello.session,)
-
-
-@dataclass(eq=False)
-class Chunk:
-    """A piece of a room's input as the engine handed it over (send)."""
-
-    first_page: int
-    pages: np.ndarray
-    last: bool
-    num_tokens: int
-    aux_bytes: int
-    release_when_settled: bool
-    waiting: bool = False  # for its CUDA event: the work that writes its pages has not completed yet
-
-
-@dataclass(eq=False)
-class PrefillWork:
-    engine: bytes = b""  # the engine connection that announced or sent the room
-    chunks: list[Chunk] = field(default_factory=list)  # handed over, not written yet
-    first: int = -1  # the first chunk's first position (-1: no chunk yet)
-    end: int = 0  # where the chunks handed over so far end
-    last: bool = False  # the last chunk is in
-    num_tokens: int = 0
-    aux_bytes: int = 0
-    memory_version: int = 0
-    peer: bytes = b""  # identity of the decode daemon, once its request arrived
-    request: LegRequest | None = None  # this rank's leg of the room request
-    lease_ms: int = 0  # the request's lease
-    dst_pages: np.ndarray | None = None
-    started: bool = False  # both halves were in and checked: chunks are written as they come
-    kept: list[np.ndarray] = field(default_factory=list)  # source pages written (positions the decode skips dropped), in order
-    written: int = 0  # destination pages written: the first ``written`` of dst_pages
-    # KV writes, one job per chunk, until reported back; one the pump abandoned stays (its
-    # writes may still land) until the transfer engines are closed (transport_closed).
-    jobs: set[Job] = field(default_factory=set)
-    job: Job | None = None  # the aux record's write, likewise
-    aux_slot: int = -1  # the engine's aux slot the record is read from (a fan-out room's is its first room's)
-    handed: list[Chunk] = field(default_factory=list)  # every chunk handed over, for a fan-out room made later
-    fans: list[int] = field(default_factory=list)  # the first room of a prefill rank: its fan-out rooms' keys
-    first_room: int = 0  # a fan-out room: its first room's key
-    aux_sent: bool = False
-    lease_end: float = 0.0
-    digest: int | None = None
-
-    @property
-    def leg(self) -> int:
-        """The leg code of the room's request (0 before it came)."""
-        return self.request.leg if self.request is not None else 0
-
-    def source_pages(self) -> np.ndarray:
-        """Every source page written, in the order of the destination pages they went to."""
-        return np.concatenate(self.kept) if self.kept else np.zeros(0, np.int32)
-
-
-def _whole(leg: LegRequest) -> bool:
-    """Whole pages of every layer: equal TP and PP on both sides."""
-    return leg.head_count == 0 and leg.layers == (0, 0)
-
-
-class PrefillService(RoomService):
+class PrefillService(RoomWrites, FanOutParts, RoomService):
     role = Role.PREFILL
 
     def __init__(self, config: Config, incarnation: str, port: PrefillPort, *, sessions: Peer, bootstrap_address: str) -> None:
@@ -508,259 +403,6 @@ class PrefillService(RoomService):
             self._fan(first, room, w)
         return [(room, w)]
 
-    def _fan(self, first: Room, room: Room, w: PrefillWork) -> None:
-        """A fan-out room takes its first room's engine and every chunk handed over so far."""
-        head = self.work[first.id]
-        head.fans.append(room.id)
-        room.lane, w.first_room = first.lane, first.id
-        w.memory_version, w.aux_slot = head.memory_version, head.aux_slot
-        for chunk in head.handed:
-            self._take(room, w, chunk)
-        if head.handed:
-            self.advance(room, Event.INPUT_READY)
-
-    def _fans(self, room: Room) -> list[Room]:
-        w = self.work.get(room.id)
-        return [fan for key in (w.fans if w is not None else ()) if (fan := self.rooms.find(key)) is not None]
-
-    def _group(self, room: Room) -> list[Room]:
-        """A prefill rank's parts of a room: its first, and its fan-out rooms."""
-        w = self.work.get(room.id)
-        first = self.rooms.find(w.first_room) if w is not None and w.first_room else room
-        return [first, *self._fans(first)] if first is not None else [room]
-
-    def _leg_key(self, room_id: int, leg: int) -> int:
-        """The room-table key of the prefill part a decode daemon's message about a leg is for."""
-        key = room_key(room_id, prefill_rank_of(leg))
-        w = self.work.get(key)
-        return fan_key(room_id, leg) if w is not None and w.request is not None and w.request.leg != leg else key
-
-    def _start(self, room: Room, w: PrefillWork, announce: Message | None) -> None:
-        """Both halves are in: check everything, then write the chunks handed over so far
-        (and later ones as they come). ``announce`` tells the decode side writes begin
-        (room_accepted, or transfer_started when our input came later; None when the
-        request's answer went already). An inline room's aux record, sent at once,
-        tells it instead, and a failed room's room_failed: one message fewer for every
-        small room."""
-        kv = self._kv(room)
-        peer = self.peers.get(w.peer)
-        req = w.request
-        try:
-            if peer is None:
-                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
-            self._destination(room, w, peer)
-            check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room_of(room.id))
-            inline = self._inline(room, w, kv, peer.hello) if req.real and _whole(req) else None
-        except PdxferError as exc:
-            self.fail(room, exc.code, exc.message)
-            return
-        w.started = True
-        if inline is not None:  # a few pages: they ride the aux record
-            kept, nbytes = inline
-            w.chunks.clear()
-            w.kept, w.written = [kept], kept.size
-            room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
-            self.kv_inline_rooms += 1
-            self.kv_inline_bytes += nbytes
-            self._send_aux(room, w, kv.gather(kept))
-            return
-        now, leave = self.clock(), peer.writes_until or math.inf
-        if now >= leave and req.real:
-            self.fail(room, ErrorCode.LEASE_EXPIRED, (
-                f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
-                "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
-            return
-        if announce is not None:
-            self.port.send_peer(w.peer, announce)
-        w.lease_end = min(now + self._lease(w), leave)
-        self._write_chunks(room, w)
-
-    def _destination(self, room: Room, w: PrefillWork, peer: DecodePeer) -> LaneInfo:
-        """The decode rank's memory the leg writes into, checked against the leg (C2, C3)
-        and against our own layout."""
-        req, room_id = w.request, room_of(room.id)
-        lane = peer.lanes.get(req.lane)
-        if lane is None:
-            raise errors.BadMessage(f"the decode daemon's request names its lane {req.lane}, which its hello does not list", room=room_id, side=errors.Side.PEER)
-        check_memory_version(req.memory_version, lane.memory_version, "destination", room_id)
-        check_pages(w.dst_pages, lane.num_pages, "destination", room_id)
-        if req.carries_aux and req.slot >= lane.aux_slots:
-            raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
-        ours, theirs = compat(self._kv(room), self._aux(room)), lane.compat
-        if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
-            ours, theirs = msgspec.structs.replace(ours, regions=()), msgspec.structs.replace(theirs, regions=())
-        diff = compat_diff(ours, theirs)
-        if diff:
-            raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
-        return lane
-
-    def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
-        """A room handed over in one chunk whose KV is small enough to ride its aux record:
-        its source pages (checked, as the last chunk's are) and their bytes; else None. A
-        chunked room is written as it comes."""
-        if not (w.last and len(w.chunks) == 1) or w.chunks[0].waiting:
-            return None
-        kept, _ = chunk_pages(w.chunks[0].first_page, w.chunks[0].pages, w.request.skip_pages, w.dst_pages, room_of(room.id))
-        nbytes = kept.size * kv.page_bytes
-        if not paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes):
-            return None
-        self._check_end(room, w)
-        return kept, nbytes
-
-    def _check_end(self, room: Room, w: PrefillWork) -> None:
-        """The last chunk is in: the positions match the decode's, and C1."""
-        req = w.request
-        check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, True, room_of(room.id))
-        self._check_capacity(room, w)
-
-    def _check_capacity(self, room: Room, w: PrefillWork) -> None:
-        """C1, once the token count is known (the last chunk): the decode's pages hold the
-        tokens after its prefix, and its draft tokens."""
-        req, page_size = w.request, self._kv(room).spec.page_size
-        check_capacity(w.num_tokens - req.skip_pages * page_size, req.num_draft_tokens, w.dst_pages.size, page_size, room_of(room.id))
-
-    def _write_chunks(self, room: Room, w: PrefillWork) -> None:
-        """Plan and submit the chunks handed over and not written yet; once the last
-        chunk's writes all completed, the aux record follows (_kv_written)."""
-        req, peer = w.request, self.peers.get(w.peer)
-        try:
-            if peer is None:
-                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
-            if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
-                self._check_end(room, w)
-            ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
-            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, w.dst_pages, room_of(room.id)) for chunk in ready]
-            blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
-        except PdxferError as exc:
-            self.fail(room, exc.code, exc.message)
-            return
-        del w.chunks[: len(ready)]
-        if not req.real:  # a dummy leg: this rank's part is over once its input is
-            if w.last:
-                self.succeed(room, Event.DONE)
-            return
-        if w.last and req.carries_aux:  # the room is whole: its aux record is planned too
-            room.bytes_planned += HEADER_BYTES + w.aux_bytes
-        for (kept, _), planned_blocks in zip(planned, blocks):
-            w.kept.append(kept)
-            w.written += kept.size
-            if planned_blocks is not None:
-                room.bytes_planned += planned_blocks.nbytes
-                job = Job(room.id, peer.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
-                w.jobs.add(job)
-                self.port.submit(job)
-        self._aux_when_written(room, w)
-
-    def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
-        """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8)."""
-        kv, req = self._kv(room), w.request
-        lane = peer.lanes[req.lane]
-        if _whole(req):
-            return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst)
-        theirs = tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
-                       for layer, kind, page_bytes in lane.compat.regions)
-        layers = req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
-        heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
-        return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
-                               kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst)
-
-    def _aux_when_written(self, room: Room, w: PrefillWork) -> None:
-        if w.last and not w.jobs and not w.chunks and not w.aux_sent and not room.finished:
-            self._send_aux(room, w)
-
-    def _lease(self, w: PrefillWork) -> float:
-        """Seconds this room may keep submitting writes: our transfer timeout, or the
-        decode side's if shorter (it releases the destination on that basis)."""
-        own = self.config.transfer_timeout
-        return min(own, w.lease_ms / 1000) if w.lease_ms else own
-
-    def _kv_written(self, job: Job) -> None:
-        room, w = self.rooms.find(job.id), self.work.get(job.id)
-        if room is None or w is None or job not in w.jobs:
-            return
-        if not job.abandoned:
-            w.jobs.discard(job)
-        if room.finished:  # failed while its writes drained: now this job's have
-            self._drained(room, w)
-            return
-        room.bytes_moved += job.blocks.nbytes if job.ok else 0
-        if not job.ok:
-            self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
-            return
-        self._aux_when_written(room, w)
-
-    def _send_aux(self, room: Room, w: PrefillWork, kv: bytes = b"") -> None:
-        """Every KV block is written, or ``kv`` carries the room's KV: the aux goes (A3)."""
-        w.aux_sent = True
-        aux, peer, req = self._aux(room), self.peers.get(w.peer), w.request
-        if peer is None:
-            self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
-            return
-        if (peer.hello.verify_kv or self.config.verify_kv) and _whole(req):  # of inline KV, without gathering it again
-            w.digest = zlib.crc32(kv) if kv else self._kv(room).digest(w.source_pages())
-        if not req.carries_aux:  # another leg carries the room's aux record to this decode rank
-            self.port.send_peer(w.peer, LegWritten(room=room_of(room.id), leg=req.leg, kv_pages=w.written,
-                                                   kv_digested=w.digest is not None, kv_digest=w.digest or 0))
-            return
-        payload = aux.payload(w.aux_slot, w.aux_bytes)
-        stamp = stamp_for(room_of(room.id), req.generation, payload)
-        # A fan-out room's record travels here: the slot's header is its first room's to write.
-        if self.aux_path is paths.AuxPath.TCP or w.first_room:
-            self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
-            return
-        aux.write_header(w.aux_slot, stamp)
-        lane = peer.lanes[req.lane]
-        dst = lane.aux_base + req.slot * lane.compat.aux_slot_bytes
-        blocks = Blocks.of([aux.slot_address(w.aux_slot)], [dst], [HEADER_BYTES + len(payload)])
-        w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
-        self.port.submit(w.job)
-
-    def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
-        req = w.request
-        return AuxRecord(
-            room=room_of(room.id), leg=req.leg, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
-            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE and not w.first_room,
-            kv_pages=w.written, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
-        )
-
-    def _aux_written(self, job: Job) -> None:
-        room, w = self.rooms.find(job.id), self.work.get(job.id)
-        if room is None or w is None or w.job is not job:
-            return
-        if not job.abandoned:
-            w.job = None
-        if room.finished:
-            self._drained(room, w)
-            return
-        if not job.ok:
-            self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
-            return
-        room.bytes_moved += job.blocks.nbytes
-        self.port.send_peer(w.peer, self._record(room, w, self._aux(room).header(w.aux_slot)))
-
-    def _drained(self, room: Room, w: PrefillWork) -> None:
-        """A job of a failed room settled. Once the last one has, and the pump gave up
-        on none (their writes may still land: the decode side waits for another proof,
-        and the jobs are kept for transport_closed), the room is fenced and the peer may
-        reuse the pages and slot it gave us."""
-        if w.jobs or w.job is not None:
-            return
-        if w.peer:
-            self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=w.leg))
-        self.fenced(room)
-
-    def transport_closed(self) -> int:
-        """This daemon's transfer engines are gone (it is stopping): nothing of ours can
-        land any more, so every failed room still waiting for its writes, or given up
-        on by the pump, is fenced and its decode side told so. Returns how many."""
-        waiting = [(room, w) for room_id, w in self.work.items()
-                   if (w.jobs or w.job is not None) and (room := self.rooms.find(room_id)) is not None and room.finished]
-        for room, w in waiting:
-            w.jobs.clear()
-            w.job = None
-            self._drained(room, w)
-        return len(waiting)
-
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
         room = self.rooms.get(self._leg_key(msg.room, msg.leg))
         if self.work[room.id].peer != peer.identity:
@@ -851,12 +493,6 @@ class PrefillService(RoomService):
             self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code, reason=room.reason, fenced=not in_flight, leg=w.leg))
         return not in_flight
 
-    def _head(self, room: Room) -> PrefillWork | None:
-        """The work of the room's first part: its engine speaks for every part, including
-        parts whose request came before the engine announced or sent."""
-        w = self.work.get(room.id)
-        return self.work.get(w.first_room) if w is not None and w.first_room else w
-
     def engine_of(self, room: Room) -> bytes:
         w = self._head(room)
         return w.engine if w else b""
@@ -882,46 +518,6 @@ class PrefillService(RoomService):
             return []
         legs = msg.legs if isinstance(msg, RoomAccepted) else (getattr(msg, "leg", 0),)
         return list({room.id: room for leg in legs if (room := self.rooms.find(self._leg_key(room_id, leg))) is not None}.values())
-
-    # --- a prefill rank's room in parts (fan-out): one status for its engine
-
-    def status(self, room: Room, req: int = 0) -> RoomStatus:
-        """What the engine hears of its room: of every part, when it writes to several
-        decode ranks (fan_out). Failed if one part failed (fenced once all are), Success
-        once every decode rank's part is there and succeeded, else the least advanced
-        part's state."""
-        group = self._group(room)
-        first = group[0]
-        w = self.work.get(first.id)
-        missing = (w.request.fan_out if w is not None and w.request is not None else 1) - len(group)  # parts whose request is still to come
-        if len(group) == 1 and missing <= 0:
-            return super().status(first, req)
-        failed = [part for part in group if part.state is RoomState.FAILED]
-        pages, skip = self.room_pages(first)
-        if failed:
-            fenced = all(part.finished and part.fenced for part in group)  # parts still to come were never asked for: nothing to fence
-            return RoomStatus(req=req, room=room_of(first.id), state=RoomState.FAILED, code=failed[0].code, reason=failed[0].reason,
-                              fenced=fenced, pages=pages, skip_pages=skip)
-        order = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING, RoomState.SUCCESS)
-        state = min((part.state for part in group), key=order.index)
-        if state is RoomState.SUCCESS and missing > 0:
-            state = RoomState.TRANSFERRING  # its other decode ranks have not asked yet
-        return RoomStatus(req=req, room=room_of(first.id), state=state, fenced=state is RoomState.SUCCESS, pages=pages, skip_pages=skip)
-
-    def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
-        """A part failing fails the others: the engine's room as a whole failed."""
-        if not super().fail(room, code, reason):
-            return False
-        for part in self._group(room):
-            if part is not room:
-                super().fail(part, code, f"{reason} (the part for another decode rank)")
-        return True
-
-    def drop(self, room: Room) -> None:
-        """The engine's room goes: every finished part of it (a live one goes when it fails)."""
-        for part in self._group(room):
-            if part is room or part.finished:
-                super().drop(part)
 
     def forget(self, room: Room) -> None:
         w = self.work.pop(room.id, None)

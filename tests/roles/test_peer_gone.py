@@ -10,7 +10,8 @@ import pytest
 
 from pdxfer.core.config import Config
 from pdxfer.core.plan import Blocks, compat_of, layout_registration
-from pdxfer.roles.prefill import DecodePeer, PrefillService, PrefillWork
+from pdxfer.roles.prefill import PrefillService
+from pdxfer.roles.prefill_state import DecodePeer, PrefillWork
 from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, LaneInfo, PeerHello, Rank, Role, RoomState
 from pdxfer.transport import Job
 from pdxfer.core.rooms import Event

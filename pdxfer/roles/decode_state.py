@@ -1,0 +1,92 @@
+"""What the decode role keeps: a link per prefill daemon (its clock offset, its
+incarnation), each room part's work and legs, and requests gathering their ranks' legs."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.protocol import LegRequest, RoomRequest
+
+
+# Offset samples kept per link: the best (largest) of the recent ones is used; older
+# ones go, since two hosts' monotonic clocks drift apart (tens of ppm).
+OFFSET_SAMPLES = 8
+
+
+
+@dataclass(eq=False)
+class PrefillLink:
+    endpoint: str
+    last_heard: float
+    last_beat: float = 0.0
+    beats: int = 0
+    incarnation: str = ""
+    session: str = ""
+    ready: bool = False
+    rooms: set[int] = field(default_factory=set)
+    unfenced: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # released rooms' (lane, slot, generation) waiting for this prefill
+    draining: bool = False
+    beat_wall: float = 0.0  # wall clock when the last heartbeat left
+    rtt: float = -1.0  # seconds, from the last answered heartbeat
+    skew: float = 0.0  # the prefill's wall clock minus ours
+    connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
+    # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
+    # each was read there before the answer left and here after it arrived.
+    offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
+    held: dict[int, RoomRequest] = field(default_factory=dict)  # room requests waiting for a first offset, by room id
+    # Connections lost so far: a room's request leaves on the connection of its epoch, so
+    # rooms asked for after the last loss reached whoever answers on the next one.
+    epoch: int = 0
+
+    def clock_sample(self, theirs: float, now: float) -> None:
+        if theirs:
+            self.offsets.append(theirs - now)
+
+    def writes_until(self, now: float, span: float) -> float:
+        """Leave to write for ``span`` seconds from ``now``, on the prefill's clock and
+        never later than the truth; 0 before its clock was seen."""
+        return now + max(self.offsets) + span if self.offsets else 0.0
+
+
+@dataclass(eq=False)
+class LegState:
+    """One leg of a decode rank's room (ENGINES.md §7.A4): one prefill rank's part."""
+
+    request: LegRequest
+    landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
+    peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
+    peer_failed: bool = False  # the failure came from that prefill rank: it knows
+    first_check: float = 0.0  # first verification attempt of what landed
+
+    @property
+    def whole(self) -> bool:
+        """Whole pages of every layer: what --verify-kv's digest covers."""
+        return self.request.head_count == 0 and self.request.layers == (0, 0)
+
+
+@dataclass(eq=False)
+class DecodeWork:
+    engine: bytes
+    link: str
+    memory_version: int
+    pages: np.ndarray
+    legs: dict[int, LegState]  # by leg code
+    epoch: int = 0  # its link's epoch when it was asked for
+    started: float = 0.0  # when we learnt the prefill began writing
+
+    @property
+    def peer_fenced(self) -> bool:
+        """No prefill rank of the room has a write in flight for it."""
+        return all(leg.peer_fenced for leg in self.legs.values())
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    """A room's legs from the local ranks that expected it so far, before its request
+    leaves for the prefill daemon (A5)."""
+
+    link: PrefillLink
+    legs: list[LegRequest]

@@ -1,0 +1,139 @@
+"""How the decode role decides a room part landed (A1, S3): each leg's LegWritten or
+aux record, the aux stamp verified against the slot's generation and payload, pages
+and inline KV checked, and with --verify-kv the KV digest compared; only then Success."""
+
+from __future__ import annotations
+
+from ..core import errors, paths
+from ..core.errors import PdxferError
+from ..core.protocol import AuxRecord, ErrorCode, LegRequest, LegWritten, RoomAck
+from ..core.rooms import Event, Room
+from ..core.slots import SlotState
+from ..core.stamp import HEADER_BYTES, Stamp, verify
+from ..core.topology import room_of
+from .decode_state import DecodeWork, LegState, PrefillLink
+
+
+class RoomVerification:
+    """DecodeService's checks of what landed (a mixin over RoomService)."""
+
+    def _leg_record(self, link: PrefillLink, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """A prefill rank wrote every KV block of its leg (LegWritten), and for the leg that
+        carries it the aux record after them (AuxRecord)."""
+        w = self.work[room.id]
+        leg = w.legs[msg.leg]
+        leg.peer_fenced = True  # the prefill sends these only after its writes completed
+        if room.finished:
+            return
+        if isinstance(msg, AuxRecord) != leg.request.carries_aux:
+            what = "an aux record" if isinstance(msg, AuxRecord) else "no aux record"
+            self.fail(room, ErrorCode.BAD_MESSAGE, f"prefill rank of leg {msg.leg:#x} sent {what}, but the leg that carries it is another")
+            return
+        if isinstance(msg, AuxRecord) and not self._aux_arrived(room, w, msg):
+            return
+        leg.first_check = self.clock()
+        self._check_landed(link.endpoint, room, msg)
+
+    def _aux_arrived(self, room: Room, w: DecodeWork, msg: AuxRecord) -> bool:
+        """The aux record is aimed at the room's own slot; one that travelled here is
+        checked and written. False when that failed the room."""
+        aux = self._aux(room)
+        slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
+        if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (room.id, msg.generation):
+            holder = f"room {room_of(slot.room)} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
+            reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"
+            self.fail(room, ErrorCode.AUX_STAMP_MISMATCH, reason)
+            victim = self.rooms.find(slot.room) if slot is not None and slot.room != room.id else None
+            if msg.via_transfer_engine and victim is not None:  # the stray record landed in another room's slot
+                self.fail(victim, ErrorCode.AUX_STAMP_MISMATCH, reason)
+            return False
+        try:
+            if not msg.via_transfer_engine:  # the record carries the aux itself: check it, then write it
+                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
+                verify(sent, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation, payload=msg.payload)
+                aux.write(msg.slot, sent, msg.payload)
+            if msg.kv:
+                self._land_inline_kv(room, w, msg)
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return False
+        return True
+
+    def _check_landed(self, endpoint: str, room: Room, msg: AuxRecord | LegWritten) -> None:
+        """Check the bytes of a leg that landed: the stamp in the slot (when the transfer
+        engine wrote it) and the KV digest. A write reported complete may not be
+        visible yet (asynchronous paths), so a mismatch is re-checked until
+        visibility_grace has passed; never Success before."""
+        if room.finished or self.rooms.find(room.id) is not room:
+            return
+        w = self.work[room.id]
+        leg = w.legs[msg.leg]
+        try:
+            if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
+                aux = self._aux(room)
+                sent = Stamp(msg.room, msg.generation, msg.length, msg.checksum)
+                landed = aux.header(msg.slot)
+                verify(landed, slot=msg.slot, expected_room=room_of(room.id), expected_generation=room.generation,
+                       payload=aux.payload(msg.slot, landed.length if landed else 0))
+                if landed != sent:
+                    raise errors.AuxStampMismatch(f"aux slot {msg.slot} holds stamp {landed}, the prefill announced {sent}", room=room_of(room.id))
+            self._check_digest(room, w, leg, msg)
+        except PdxferError as exc:
+            waited = self.clock() - leg.first_check
+            if waited < self.config.visibility_grace:
+                delay = min(self.config.visibility_grace - waited, max(0.001, waited))
+                self.port.later(delay, lambda: self._check_landed(endpoint, room, msg))
+                return
+            self.fail(room, exc.code, exc.message)
+            return
+        nbytes = msg.kv_pages * self._leg_page_bytes(room, leg.request)
+        if isinstance(msg, AuxRecord):
+            self._aux(room).slots.mark_written(msg.slot, msg.generation, self.clock())
+            nbytes += HEADER_BYTES + msg.length
+        leg.landed = True
+        room.bytes_moved += nbytes
+        if all(other.landed for other in w.legs.values()):
+            self.succeed(room, Event.AUX_LANDED)  # it may come before room_accepted or transfer_started: it implies them
+            for code, other in w.legs.items():
+                if other.request.real:
+                    self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
+
+    def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
+        """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""
+        kv = self._kv(room)
+        start, end = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        page = sum(r.page_bytes for r in kv.regions if start <= r.layer < end)
+        return page * leg.head_count // kv.spec.heads.local if leg.head_count else page
+
+    def _land_inline_kv(self, room: Room, w: DecodeWork, msg: AuxRecord) -> None:
+        """Write a small room's KV that came inside its record. The room is live and
+        its slot armed for it (checked before), so its pages are still its own, and
+        nothing of it can land later: this is the only write."""
+        kv = self._kv(room)
+        limit = paths.inline_kv_limit(kv.kind, self.config.inline_kv_bytes)
+        if len(msg.kv) > limit:
+            raise errors.BadMessage(f"the prefill sent {len(msg.kv)} bytes of KV inline; this daemon takes at most {limit}", room=room_of(room.id), side=errors.Side.PEER)
+        self._check_written_pages(room, w, msg)
+        if len(msg.kv) != msg.kv_pages * kv.page_bytes:
+            raise errors.BadMessage(f"inline KV of {len(msg.kv)} bytes is not {msg.kv_pages} pages of {kv.page_bytes} bytes", room=room_of(room.id), side=errors.Side.PEER)
+        kv.scatter(w.pages[: msg.kv_pages], msg.kv)
+
+    @staticmethod
+    def _check_written_pages(room: Room, w: DecodeWork, msg: AuxRecord) -> None:
+        if msg.kv_pages > w.pages.size:
+            raise errors.PageOutOfRange(f"the prefill wrote {msg.kv_pages} pages into {w.pages.size}", room=room_of(room.id))
+
+    def _check_digest(self, room: Room, w: DecodeWork, leg: LegState, msg: AuxRecord | LegWritten) -> None:
+        """--verify-kv: the digest of the pages written against the prefill's. Only legs of
+        whole pages carry one: a head or layer slice is not what digest() covers."""
+        if not self.config.verify_kv or not leg.whole:
+            return
+        if not msg.kv_digested:
+            raise PdxferError("--verify-kv is on but the prefill sent no KV digest", room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH)
+        self._check_written_pages(room, w, msg)
+        actual = self._kv(room).digest(w.pages[: msg.kv_pages])
+        if actual != msg.kv_digest:
+            raise PdxferError(
+                f"KV digest {actual:#010x} over {msg.kv_pages} pages does not match the prefill's {msg.kv_digest:#010x}",
+                room=room_of(room.id), code=ErrorCode.KV_DIGEST_MISMATCH,
+            )

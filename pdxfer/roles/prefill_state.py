@@ -1,0 +1,93 @@
+"""What the prefill role keeps: the decode daemons that said hello, the chunks an engine
+handed over, and each room part's work (its request, its chunks, its writes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.protocol import LaneInfo, LegRequest, PeerHello
+from ..transport import Job, Peer
+
+
+@dataclass(eq=False)
+class DecodePeer:
+    """A decode daemon that said hello on the bootstrap channel."""
+
+    identity: bytes
+    hello: PeerHello
+    last_heard: float
+    lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index (from hello)
+    rooms: set[int] = field(default_factory=set)
+    draining: bool = False
+    skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
+    writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
+
+    def __post_init__(self) -> None:
+        self.said(self.hello)
+
+    def said(self, hello: PeerHello) -> None:
+        """Its latest hello: where each of its ranks' memory is now."""
+        self.hello, self.lanes = hello, {lane.index: lane for lane in hello.lanes}
+
+    @property
+    def label(self) -> str:
+        return self.hello.session
+
+    @property
+    def sessions(self) -> Peer:
+        """Where its KV is written: every session it announced, or the one (a daemon before striping)."""
+        return self.hello.sessions or (self.hello.session,)
+
+
+@dataclass(eq=False)
+class Chunk:
+    """A piece of a room's input as the engine handed it over (send)."""
+
+    first_page: int
+    pages: np.ndarray
+    last: bool
+    num_tokens: int
+    aux_bytes: int
+    release_when_settled: bool
+    waiting: bool = False  # for its CUDA event: the work that writes its pages has not completed yet
+
+
+@dataclass(eq=False)
+class PrefillWork:
+    engine: bytes = b""  # the engine connection that announced or sent the room
+    chunks: list[Chunk] = field(default_factory=list)  # handed over, not written yet
+    first: int = -1  # the first chunk's first position (-1: no chunk yet)
+    end: int = 0  # where the chunks handed over so far end
+    last: bool = False  # the last chunk is in
+    num_tokens: int = 0
+    aux_bytes: int = 0
+    memory_version: int = 0
+    peer: bytes = b""  # identity of the decode daemon, once its request arrived
+    request: LegRequest | None = None  # this rank's leg of the room request
+    lease_ms: int = 0  # the request's lease
+    dst_pages: np.ndarray | None = None
+    started: bool = False  # both halves were in and checked: chunks are written as they come
+    kept: list[np.ndarray] = field(default_factory=list)  # source pages written (positions the decode skips dropped), in order
+    written: int = 0  # destination pages written: the first ``written`` of dst_pages
+    # KV writes, one job per chunk, until reported back; one the pump abandoned stays (its
+    # writes may still land) until the transfer engines are closed (transport_closed).
+    jobs: set[Job] = field(default_factory=set)
+    job: Job | None = None  # the aux record's write, likewise
+    aux_slot: int = -1  # the engine's aux slot the record is read from (a fan-out room's is its first room's)
+    handed: list[Chunk] = field(default_factory=list)  # every chunk handed over, for a fan-out room made later
+    fans: list[int] = field(default_factory=list)  # the first room of a prefill rank: its fan-out rooms' keys
+    first_room: int = 0  # a fan-out room: its first room's key
+    aux_sent: bool = False
+    lease_end: float = 0.0
+    digest: int | None = None
+
+    @property
+    def leg(self) -> int:
+        """The leg code of the room's request (0 before it came)."""
+        return self.request.leg if self.request is not None else 0
+
+    def source_pages(self) -> np.ndarray:
+        """Every source page written, in the order of the destination pages they went to."""
+        return np.concatenate(self.kept) if self.kept else np.zeros(0, np.int32)

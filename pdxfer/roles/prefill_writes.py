@@ -1,0 +1,261 @@
+"""How the prefill role writes a room part once both halves are in (the engine's input
+and the decode's request): every check that needs both (C1-C3, compat, the lease and
+the decode's leave to write) before a byte moves, the chunks planned and submitted as
+they come, then the aux record once every KV block completed (A3), or a LegWritten for
+a leg without it; a failed part is fenced once its writes drained."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+
+import msgspec
+import numpy as np
+
+from ..core import errors, paths
+from ..core.errors import PdxferError
+from ..core.plan import Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks, plan_leg_blocks
+from ..core.protocol import AuxRecord, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
+from ..core.rooms import Event, Room
+from ..core.stamp import HEADER_BYTES, stamp_for
+from ..core.topology import room_of
+from ..transport import Job
+from .pools import compat
+from .prefill_state import DecodePeer, PrefillWork
+
+
+def _whole(leg: LegRequest) -> bool:
+    """Whole pages of every layer: equal TP and PP on both sides."""
+    return leg.head_count == 0 and leg.layers == (0, 0)
+
+
+class RoomWrites:
+    """PrefillService's writing half (a mixin: it reads the service's rooms, work, peers
+    and port)."""
+
+    def _start(self, room: Room, w: PrefillWork, announce: Message | None) -> None:
+        """Both halves are in: check everything, then write the chunks handed over so far
+        (and later ones as they come). ``announce`` tells the decode side writes begin
+        (room_accepted, or transfer_started when our input came later; None when the
+        request's answer went already). An inline room's aux record, sent at once,
+        tells it instead, and a failed room's room_failed: one message fewer for every
+        small room."""
+        kv = self._kv(room)
+        peer = self.peers.get(w.peer)
+        req = w.request
+        try:
+            if peer is None:
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
+            self._destination(room, w, peer)
+            check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room_of(room.id))
+            inline = self._inline(room, w, kv, peer.hello) if req.real and _whole(req) else None
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return
+        w.started = True
+        if inline is not None:  # a few pages: they ride the aux record
+            kept, nbytes = inline
+            w.chunks.clear()
+            w.kept, w.written = [kept], kept.size
+            room.bytes_planned = nbytes + HEADER_BYTES + w.aux_bytes
+            self.kv_inline_rooms += 1
+            self.kv_inline_bytes += nbytes
+            self._send_aux(room, w, kv.gather(kept))
+            return
+        now, leave = self.clock(), peer.writes_until or math.inf
+        if now >= leave and req.real:
+            self.fail(room, ErrorCode.LEASE_EXPIRED, (
+                f"the decode daemon's leave to write ran out {now - leave:.1f}s ago and nothing from it "
+                "renewed it (a partition, or this daemon stood still): its pages may be another room's by now"))
+            return
+        if announce is not None:
+            self.port.send_peer(w.peer, announce)
+        w.lease_end = min(now + self._lease(w), leave)
+        self._write_chunks(room, w)
+
+    def _destination(self, room: Room, w: PrefillWork, peer: DecodePeer) -> LaneInfo:
+        """The decode rank's memory the leg writes into, checked against the leg (C2, C3)
+        and against our own layout."""
+        req, room_id = w.request, room_of(room.id)
+        lane = peer.lanes.get(req.lane)
+        if lane is None:
+            raise errors.BadMessage(f"the decode daemon's request names its lane {req.lane}, which its hello does not list", room=room_id, side=errors.Side.PEER)
+        check_memory_version(req.memory_version, lane.memory_version, "destination", room_id)
+        check_pages(w.dst_pages, lane.num_pages, "destination", room_id)
+        if req.carries_aux and req.slot >= lane.aux_slots:
+            raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
+        ours, theirs = compat(self._kv(room), self._aux(room)), lane.compat
+        if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
+            ours, theirs = msgspec.structs.replace(ours, regions=()), msgspec.structs.replace(theirs, regions=())
+        diff = compat_diff(ours, theirs)
+        if diff:
+            raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
+        return lane
+
+    def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
+        """A room handed over in one chunk whose KV is small enough to ride its aux record:
+        its source pages (checked, as the last chunk's are) and their bytes; else None. A
+        chunked room is written as it comes."""
+        if not (w.last and len(w.chunks) == 1) or w.chunks[0].waiting:
+            return None
+        kept, _ = chunk_pages(w.chunks[0].first_page, w.chunks[0].pages, w.request.skip_pages, w.dst_pages, room_of(room.id))
+        nbytes = kept.size * kv.page_bytes
+        if not paths.send_kv_inline(self.aux_path, kv.kind, self.config.inline_kv_bytes, dst_hello.inline_kv_bytes, nbytes):
+            return None
+        self._check_end(room, w)
+        return kept, nbytes
+
+    def _check_end(self, room: Room, w: PrefillWork) -> None:
+        """The last chunk is in: the positions match the decode's, and C1."""
+        req = w.request
+        check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, True, room_of(room.id))
+        self._check_capacity(room, w)
+
+    def _check_capacity(self, room: Room, w: PrefillWork) -> None:
+        """C1, once the token count is known (the last chunk): the decode's pages hold the
+        tokens after its prefix, and its draft tokens."""
+        req, page_size = w.request, self._kv(room).spec.page_size
+        check_capacity(w.num_tokens - req.skip_pages * page_size, req.num_draft_tokens, w.dst_pages.size, page_size, room_of(room.id))
+
+    def _write_chunks(self, room: Room, w: PrefillWork) -> None:
+        """Plan and submit the chunks handed over and not written yet; once the last
+        chunk's writes all completed, the aux record follows (_kv_written)."""
+        req, peer = w.request, self.peers.get(w.peer)
+        try:
+            if peer is None:
+                raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
+            if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
+                self._check_end(room, w)
+            ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
+            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, w.dst_pages, room_of(room.id)) for chunk in ready]
+            blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
+        except PdxferError as exc:
+            self.fail(room, exc.code, exc.message)
+            return
+        del w.chunks[: len(ready)]
+        if not req.real:  # a dummy leg: this rank's part is over once its input is
+            if w.last:
+                self.succeed(room, Event.DONE)
+            return
+        if w.last and req.carries_aux:  # the room is whole: its aux record is planned too
+            room.bytes_planned += HEADER_BYTES + w.aux_bytes
+        for (kept, _), planned_blocks in zip(planned, blocks):
+            w.kept.append(kept)
+            w.written += kept.size
+            if planned_blocks is not None:
+                room.bytes_planned += planned_blocks.nbytes
+                job = Job(room.id, peer.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+                w.jobs.add(job)
+                self.port.submit(job)
+        self._aux_when_written(room, w)
+
+    def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
+        """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8)."""
+        kv, req = self._kv(room), w.request
+        lane = peer.lanes[req.lane]
+        if _whole(req):
+            return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst)
+        theirs = tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
+                       for layer, kind, page_bytes in lane.compat.regions)
+        layers = req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
+        return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
+                               kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst)
+
+    def _aux_when_written(self, room: Room, w: PrefillWork) -> None:
+        if w.last and not w.jobs and not w.chunks and not w.aux_sent and not room.finished:
+            self._send_aux(room, w)
+
+    def _lease(self, w: PrefillWork) -> float:
+        """Seconds this room may keep submitting writes: our transfer timeout, or the
+        decode side's if shorter (it releases the destination on that basis)."""
+        own = self.config.transfer_timeout
+        return min(own, w.lease_ms / 1000) if w.lease_ms else own
+
+    def _kv_written(self, job: Job) -> None:
+        room, w = self.rooms.find(job.id), self.work.get(job.id)
+        if room is None or w is None or job not in w.jobs:
+            return
+        if not job.abandoned:
+            w.jobs.discard(job)
+        if room.finished:  # failed while its writes drained: now this job's have
+            self._drained(room, w)
+            return
+        room.bytes_moved += job.blocks.nbytes if job.ok else 0
+        if not job.ok:
+            self.fail(room, ErrorCode.TRANSFER_FAILED, job.error or "cancelled")
+            return
+        self._aux_when_written(room, w)
+
+    def _send_aux(self, room: Room, w: PrefillWork, kv: bytes = b"") -> None:
+        """Every KV block is written, or ``kv`` carries the room's KV: the aux goes (A3)."""
+        w.aux_sent = True
+        aux, peer, req = self._aux(room), self.peers.get(w.peer), w.request
+        if peer is None:
+            self.fail(room, ErrorCode.PEER_DEAD, "the decode daemon went away while its KV was written")
+            return
+        if (peer.hello.verify_kv or self.config.verify_kv) and _whole(req):  # of inline KV, without gathering it again
+            w.digest = zlib.crc32(kv) if kv else self._kv(room).digest(w.source_pages())
+        if not req.carries_aux:  # another leg carries the room's aux record to this decode rank
+            self.port.send_peer(w.peer, LegWritten(room=room_of(room.id), leg=req.leg, kv_pages=w.written,
+                                                   kv_digested=w.digest is not None, kv_digest=w.digest or 0))
+            return
+        payload = aux.payload(w.aux_slot, w.aux_bytes)
+        stamp = stamp_for(room_of(room.id), req.generation, payload)
+        # A fan-out room's record travels here: the slot's header is its first room's to write.
+        if self.aux_path is paths.AuxPath.TCP or w.first_room:
+            self.port.send_peer(w.peer, self._record(room, w, stamp, payload, kv))
+            return
+        aux.write_header(w.aux_slot, stamp)
+        lane = peer.lanes[req.lane]
+        dst = lane.aux_base + req.slot * lane.compat.aux_slot_bytes
+        blocks = Blocks.of([aux.slot_address(w.aux_slot)], [dst], [HEADER_BYTES + len(payload)])
+        w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+        self.port.submit(w.job)
+
+    def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
+        req = w.request
+        return AuxRecord(
+            room=room_of(room.id), leg=req.leg, slot=req.slot, generation=req.generation, length=stamp.length, checksum=stamp.checksum,
+            payload=payload, via_transfer_engine=self.aux_path is paths.AuxPath.TRANSFER_ENGINE and not w.first_room,
+            kv_pages=w.written, kv_digested=w.digest is not None, kv_digest=w.digest or 0, kv=kv,
+        )
+
+    def _aux_written(self, job: Job) -> None:
+        room, w = self.rooms.find(job.id), self.work.get(job.id)
+        if room is None or w is None or w.job is not job:
+            return
+        if not job.abandoned:
+            w.job = None
+        if room.finished:
+            self._drained(room, w)
+            return
+        if not job.ok:
+            self.fail(room, ErrorCode.TRANSFER_FAILED, f"aux write: {job.error or 'cancelled'}")
+            return
+        room.bytes_moved += job.blocks.nbytes
+        self.port.send_peer(w.peer, self._record(room, w, self._aux(room).header(w.aux_slot)))
+
+    def _drained(self, room: Room, w: PrefillWork) -> None:
+        """A job of a failed room settled. Once the last one has, and the pump gave up
+        on none (their writes may still land: the decode side waits for another proof,
+        and the jobs are kept for transport_closed), the room is fenced and the peer may
+        reuse the pages and slot it gave us."""
+        if w.jobs or w.job is not None:
+            return
+        if w.peer:
+            self.port.send_peer(w.peer, RoomFailed(room=room_of(room.id), code=room.code or ErrorCode.INTERNAL, reason=room.reason, fenced=True, leg=w.leg))
+        self.fenced(room)
+
+    def transport_closed(self) -> int:
+        """This daemon's transfer engines are gone (it is stopping): nothing of ours can
+        land any more, so every failed room still waiting for its writes, or given up
+        on by the pump, is fenced and its decode side told so. Returns how many."""
+        waiting = [(room, w) for room_id, w in self.work.items()
+                   if (w.jobs or w.job is not None) and (room := self.rooms.find(room_id)) is not None and room.finished]
+        for room, w in waiting:
+            w.jobs.clear()
+            w.job = None
+            self._drained(room, w)
+        return len(waiting)
