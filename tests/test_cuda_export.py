@@ -92,8 +92,9 @@ def tensor(storage: FakeStorage, shape: tuple, offset: int = 0, itemsize: int = 
             stride.insert(0, step)
             step *= size
     return SimpleNamespace(
-        is_cuda=cuda, device=SimpleNamespace(index=device), shape=shape, stride=lambda: tuple(stride),
+        is_cuda=cuda, device=SimpleNamespace(index=device, type="cuda" if cuda else "cpu"), shape=shape, stride=lambda: tuple(stride),
         untyped_storage=lambda: storage, storage_offset=lambda: offset, element_size=lambda: itemsize,
+        data_ptr=lambda: storage.data_ptr() + offset * itemsize,
     )
 
 

@@ -1,4 +1,4 @@
-"""The SGLang adapter's SGLang-free parts (pdxfer.adapters.sglang.layout and .link),
+"""The SGLang adapter's SGLang-free parts (pdxfer.adapters.sglang.layout, .places and .link),
 with SGLang's real shapes: the KVArgs a 2-layer Llama with 2 KV heads of 64 gives its
 manager (tests/engines/model.py; the values a real engine dumped, tests/engines), and a
 room between two live daemons driven through the links exactly as the backend's classes
@@ -9,15 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pdxfer.adapters.sglang import places
 from pdxfer.adapters.sglang.layout import registration
 from pdxfer.adapters.sglang.link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
-from pdxfer.adapters.shm import Place, locate, rehome
 from pdxfer.core.errors import Unsupported
-from pdxfer.core.protocol import Heads, KVPacking, KVRegion, PageOrder, Rank, RegionKind, Role, RoomState, ShmHandle
+from pdxfer.core.protocol import CudaIpcHandle, Heads, KVPacking, KVRegion, PageOrder, Rank, RegionKind, Role, RoomState, ShmHandle
 from pdxfer.core.topology import local_heads
 from pdxfer.ops.inspection import daemon_counters
 
 from .conftest import needs_mooncake
+from .test_cuda_export import RAW, FakeStorage, tensor
 
 PAGE_SIZE, HEADS, HEAD_DIM, LAYERS = 16, 2, 64, 2
 PAGE_BYTES = PAGE_SIZE * HEADS * HEAD_DIM * 4  # float32: 8192, as SGLang's kv_item_lens
@@ -36,9 +37,9 @@ def sglang_kvargs(base: int = 0x7F0000000000) -> tuple[list[int], list[int], lis
 def fused_files(base: int = 0x7F0000000000):
     """locate() for sglang_kvargs: one file per layer, K at 0 and V at HALF."""
 
-    def where(address: int) -> Place | None:
+    def where(address: int) -> tuple[ShmHandle, int] | None:
         layer, offset = divmod(address - base, 2 * HALF)
-        return Place(f"pdxfer-kv-1-l{layer}", offset, 2 * HALF) if 0 <= layer < LAYERS else None
+        return (ShmHandle(name=f"pdxfer-kv-1-l{layer}", size=2 * HALF), offset) if 0 <= layer < LAYERS else None
 
     return where
 
@@ -86,19 +87,88 @@ def test_mla_has_a_latent_region_per_layer_from_the_stage_s_first_layer():
     item = PAGE_SIZE * 576 * 2
     reg = registration([0x1000, 0x9000], [item * 4, item * 4], [item, item], page_size=PAGE_SIZE, dtype="bfloat16",
                        first_layer=30, num_layers_total=32, heads_local=1, heads_total=1, mla=True,
-                       locate=lambda a: Place("latent", a - 0x1000, 1 << 20))
+                       locate=lambda a: (ShmHandle(name="latent", size=1 << 20), a - 0x1000))
     assert [(r.layer, r.kind, r.offset, r.num_pages) for r in reg.regions] == [(30, RegionKind.LATENT, 0, 4), (31, RegionKind.LATENT, 0x8000, 4)]
     assert (reg.spec.layers, reg.spec.heads.bytes_per_token_head, reg.spec.mla) == ((30, 32), 1152, True)
 
 
 def test_memory_the_daemon_cannot_map_is_refused_naming_the_buffer():
     ptrs, lens, items = sglang_kvargs()
-    with pytest.raises(Unsupported, match=f"KV buffer 2 at {ptrs[2]:#x} is not in shared memory"):
+    with pytest.raises(Unsupported, match=f"KV buffer 2 at {ptrs[2]:#x} is not in memory the daemon can map: neither in shared memory"):
         registration(ptrs, lens, items, page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
                      heads_local=2, heads_total=2, mla=False, locate=lambda a: None if a == ptrs[2] else fused_files()(a))
     with pytest.raises(ValueError, match="run past the end"):
         registration(ptrs, [HALF + PAGE_BYTES] * 4, items, page_size=PAGE_SIZE, dtype="float32", first_layer=0,
                      num_layers_total=2, heads_local=2, heads_total=2, mla=False, locate=fused_files())
+
+
+@pytest.fixture
+def exported(monkeypatch):
+    """places' table of exported CUDA tensors, empty for this test alone."""
+    monkeypatch.setattr(places, "_exported", [])
+
+
+def gpu_pool(storages, itemsize: int = 4):
+    """SGLang's fused K|V tensor per layer (``storages``, one per layer), as CUDA tensors
+    the fake allocator carved from its blocks: K is the first half, V the second."""
+    half = HALF // itemsize
+    k = [tensor(s, (half,), offset=0, itemsize=itemsize) for s in storages]
+    return k, [tensor(s, (half,), offset=half, itemsize=itemsize) for s in storages]
+
+
+def test_a_gpu_pool_is_registered_as_its_blocks_with_each_buffer_s_offset(exported):
+    """The pool hook's export, then the manager's registration from SGLang's pointers:
+    the allocator packed both layers into one block (16 MiB in), so one CUDA IPC buffer
+    holds four regions at their offsets in the block."""
+    base = 0x7F0000000000
+    at = 16 << 20
+    storages = [FakeStorage(RAW, block_start=base - at, at=at + layer * 2 * HALF, nbytes=2 * HALF) for layer in range(LAYERS)]
+    k, v = gpu_pool(storages)
+    places.share([*k, *v])
+    reg = registration(*sglang_kvargs(base), page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
+                       heads_local=2, heads_total=2, mla=False, locate=places.locate)
+    assert reg.buffers == [CudaIpcHandle(handle=RAW, size=at + 4 * HALF, device=0)]
+    assert [(r.buffer, r.offset, r.layer, r.kind) for r in reg.regions] == [
+        (0, at, 0, RegionKind.K), (0, at + 2 * HALF, 1, RegionKind.K), (0, at + HALF, 0, RegionKind.V), (0, at + 3 * HALF, 1, RegionKind.V),
+    ]
+    assert places.locate(base - 1) is None and places.locate(base + 4 * HALF) is None
+
+
+def test_a_block_exported_twice_is_one_buffer_as_long_as_the_longer_export(exported):
+    """Two pools (two hook calls) whose tensors the allocator put in one block: each
+    export sizes the handle to its own tensors; the registration holds the block once,
+    at the longer size, and a second block apart."""
+    base = 0x7F0000000000
+    first = FakeStorage(RAW, block_start=base, at=0, nbytes=2 * HALF)
+    second = FakeStorage(RAW, block_start=base, at=2 * HALF, nbytes=2 * HALF)
+    k0, v0 = gpu_pool([first])
+    k1, v1 = gpu_pool([second])
+    places.share([*k0, *v0])
+    places.share([*k1, *v1])
+    assert places.locate(base)[0].size == 2 * HALF and places.locate(base + 2 * HALF)[0].size == 4 * HALF
+    reg = registration(*sglang_kvargs(base), page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
+                       heads_local=2, heads_total=2, mla=False, locate=places.locate)
+    assert reg.buffers == [CudaIpcHandle(handle=RAW, size=4 * HALF, device=0)]
+    assert [r.offset for r in reg.regions] == [0, 2 * HALF, HALF, 3 * HALF]
+
+    other = FakeStorage(RAW[::-1], block_start=1 << 40, at=0, nbytes=2 * HALF)
+    k2, v2 = gpu_pool([other])
+    places.share([*k2, *v2])
+    ptrs, lens, items = sglang_kvargs(base)
+    ptrs[1], ptrs[3] = 1 << 40, (1 << 40) + HALF
+    reg = registration(ptrs, lens, items, page_size=PAGE_SIZE, dtype="float32", first_layer=0, num_layers_total=2,
+                       heads_local=2, heads_total=2, mla=False, locate=places.locate)
+    assert [b.handle for b in reg.buffers] == [RAW, RAW[::-1]]
+    assert [(r.buffer, r.offset) for r in reg.regions] == [(0, 0), (1, 0), (0, HALF), (1, HALF)]
+
+
+@pytest.mark.parametrize(("flags", "why"), [({"memory_saver": True}, "--enable-memory-saver"), ({"custom_pool": True}, "SGLANG_MOONCAKE_CUSTOM_MEM_POOL")])
+def test_a_gpu_pool_cuda_ipc_cannot_export_is_refused_naming_the_setting(exported, flags, why):
+    storage = FakeStorage(RAW, block_start=1 << 30, at=0, nbytes=2 * HALF)
+    k, v = gpu_pool([storage])
+    with pytest.raises(Unsupported, match=why):
+        places.share([*k, *v], **flags)
+    assert storage.shares == 0 and places.locate(1 << 30) is None
 
 
 def test_the_daemon_is_found_by_the_endpoint_variable_or_as_pdxfer_serve_would_listen():
@@ -144,12 +214,12 @@ class Engine:
         fused = [torch.zeros((2, pages * PAGE_SIZE, heads, HEAD_DIM)) for _ in range(LAYERS)]
         self.k = [f[0] for f in fused]
         self.v = [f[1] for f in fused]
-        rehome([*self.k, *self.v])
         tensors = [*self.k, *self.v]
+        places.share(tensors)  # into shared memory, as the plugin's pool hook does
         page_bytes = PAGE_SIZE * heads * HEAD_DIM * 4
         kv = registration([t.data_ptr() for t in tensors], [t.nbytes for t in tensors], [page_bytes] * 4, page_size=PAGE_SIZE,
                           dtype="float32", first_layer=0, num_layers_total=LAYERS, heads_local=heads, heads_total=HEADS,
-                          mla=False, locate=locate)
+                          mla=False, locate=places.locate)
         self.meta = metadata_buffers()
         self.link = Link(daemon.engine, engine_id=f"test-{role.value}", role=role, rank=Rank(tp=tp), sizes=Rank(dp=1, pp=1, tp=tp_size, cp=1),
                          device="cpu", kv=kv, rows=as_rows(self.meta), aux_slots=16)

@@ -38,9 +38,9 @@ from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get
 from ...core import errors
 from ...core.protocol import Rank, Role, RoomState, RoomStatus
 from ...core.topology import local_heads
-from ..shm import locate
 from .layout import registration
 from .link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
+from .places import locate
 
 log = logging.getLogger("pdxfer.sglang")
 

@@ -5,22 +5,25 @@ says where each pointer lies (``locate``).
 SGLang lists one buffer per layer and kind, token-major (NHD: a page is page_size tokens
 of [heads][head_dim]): for MHA the K buffers of its layers, then their V buffers; for MLA
 one latent buffer per layer. ``item_len`` is one page of one buffer, and page p of the
-cache is page p of every buffer, as for pdxfer's regions. Buffers that share a file
-(SGLang allocates a layer's K and V as the two halves of one tensor) become one pdxfer
-buffer with a region at each offset.
+cache is page p of every buffer, as for pdxfer's regions. Buffers that share memory the
+daemon maps as one (SGLang allocates a layer's K and V as the two halves of one tensor:
+on CPU one shared-memory file, on GPU one CUDA IPC block, which may hold several layers)
+become one pdxfer buffer with a region at each offset.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 from ...core.errors import Unsupported
-from ...core.protocol import Heads, KVPacking, KVRegion, KVSpec, PageOrder, RegionKind, ShmHandle
-from ..shm import Place
+from ...core.protocol import Heads, KVPacking, KVRegion, KVSpec, MemoryHandle, PageOrder, RegionKind, ShmHandle
+
+# Where a pointer lies: the buffer the daemon maps and the pointer's offset in it.
+Locate = Callable[[int], "tuple[MemoryHandle, int] | None"]
 
 
 class Registration(NamedTuple):
-    buffers: list[ShmHandle]
+    buffers: list[MemoryHandle]
     spec: KVSpec
     regions: list[KVRegion]
 
@@ -37,39 +40,45 @@ def registration(
     heads_local: int,
     heads_total: int,
     mla: bool,
-    locate: Callable[[int], Place | None],
+    locate: Locate,
 ) -> Registration:
     """The registration of the KV buffers at ``ptrs`` (``lens`` bytes each, pages of
-    ``item_lens`` bytes), layers ``first_layer``.. of ``num_layers_total``."""
+    ``item_lens`` bytes), layers ``first_layer``.. of ``num_layers_total``. Buffers
+    ``locate`` names alike are registered once, as long as the longest naming says."""
     if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
         raise ValueError(f"KV buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} page sizes")
     per_layer = 1 if mla else 2
     if len(ptrs) % per_layer:
         raise ValueError(f"{len(ptrs)} KV buffers for MHA: expected a K and a V buffer per layer")
     num_layers = len(ptrs) // per_layer
-    buffers: list[ShmHandle] = []
-    index: dict[str, int] = {}
+    buffers: list[MemoryHandle] = []
+    index: dict[Hashable, int] = {}
     regions = []
     for i, (ptr, nbytes, page_bytes) in enumerate(zip(ptrs, lens, item_lens)):
         place = locate(ptr)
         if place is None:
             raise Unsupported(
-                f"KV buffer {i} at {ptr:#x} is not in shared memory: the daemon cannot map it (GPU memory needs CUDA IPC "
-                "registration, not there yet; CPU KV moves into shared memory by the plugin's pool hook)"
+                f"KV buffer {i} at {ptr:#x} is not in memory the daemon can map: neither in shared memory (CPU pools) nor "
+                "in CUDA memory pdxfer exported (GPU pools); the plugin's pool hooks cover SGLang's MHA and MLA pools "
+                "allocated by torch, not quantized, post-capture (CUDA VMM) or other pools"
             )
-        if place.offset + nbytes > place.size:
-            raise ValueError(f"KV buffer {i}: {nbytes} bytes at offset {place.offset} run past the end of {place.name} ({place.size} bytes)")
+        handle, offset = place
+        if offset + nbytes > handle.size:
+            raise ValueError(f"KV buffer {i}: {nbytes} bytes at offset {offset} run past the end of {_name(handle)} ({handle.size} bytes)")
         if nbytes % page_bytes:
             raise ValueError(f"KV buffer {i}: {nbytes} bytes are not a whole number of {page_bytes}-byte pages")
-        if place.name not in index:
-            index[place.name] = len(buffers)
-            buffers.append(ShmHandle(name=place.name, size=place.size))
+        key = _key(handle)
+        if key not in index:
+            index[key] = len(buffers)
+            buffers.append(handle)
+        elif handle.size > buffers[index[key]].size:
+            buffers[index[key]] = handle
         if mla:
             kind, layer = RegionKind.LATENT, i
         else:
             kind, layer = (RegionKind.K, i) if i < num_layers else (RegionKind.V, i - num_layers)
         regions.append(KVRegion(
-            buffer=index[place.name], offset=place.offset, page_bytes=page_bytes, num_pages=nbytes // page_bytes,
+            buffer=index[key], offset=offset, page_bytes=page_bytes, num_pages=nbytes // page_bytes,
             layer=first_layer + layer, kind=kind,
         ))
     if len({r.num_pages for r in regions}) != 1:
@@ -81,3 +90,18 @@ def registration(
         page_order=PageOrder.TOKEN_MAJOR, kv_packing=KVPacking.SEPARATE, mla=mla,
     )
     return Registration(buffers, spec, regions)
+
+
+def _key(handle: MemoryHandle) -> Hashable:
+    """What makes two namings of memory one buffer: a file's name; a device block's IPC
+    handle on its device (the size may differ, each export reaching as far as the
+    storages it exported)."""
+    if isinstance(handle, ShmHandle):
+        return ("shm", handle.name)
+    return (type(handle).__name__, handle.device, handle.handle)
+
+
+def _name(handle: MemoryHandle) -> str:
+    if isinstance(handle, ShmHandle):
+        return handle.name
+    return f"the device {handle.device} block of IPC handle {handle.handle[:8].hex()}..."

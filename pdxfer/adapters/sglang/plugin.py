@@ -7,8 +7,10 @@ once every plugin has run and re-points every module that imported a hooked name
 - the choice ``pdxfer`` for ``--disaggregation-transfer-backend``;
 - REPLACE ``TransferBackend`` with a copy of the enum that has ``PDXFER`` too;
 - AROUND ``get_kv_class``: pdxfer's classes for that backend, SGLang's for the others;
-- AFTER ``MHATokenToKVPool._create_buffers_normal``: on CPU, with this backend, the
-  new K/V tensors move into shared memory, so the daemon can map them (``..shm``).
+- AFTER ``MHATokenToKVPool._create_buffers_normal`` and ``MLATokenToKVPool._create_buffers``:
+  on a PD server with this backend, the new KV tensors are made reachable by the daemon
+  before SGLang takes their pointers (``places``): on CPU they move into shared memory,
+  on GPU they are exported by CUDA IPC.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import enum
 
 BACKEND = "pdxfer"
 _UTILS = "sglang.srt.disaggregation.utils"
-_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_POOLS = "sglang.srt.mem_cache.memory_pool"
 
 
 def register() -> None:
@@ -29,7 +31,8 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND])
     HookRegistry.register(f"{_UTILS}.TransferBackend", with_pdxfer(TransferBackend), HookType.REPLACE)
     HookRegistry.register(f"{_UTILS}.get_kv_class", kv_class, HookType.AROUND)
-    HookRegistry.register(f"{_POOL}._create_buffers_normal", share_cpu_kv, HookType.AFTER)
+    HookRegistry.register(f"{_POOLS}.MHATokenToKVPool._create_buffers_normal", share_mha_kv, HookType.AFTER)
+    HookRegistry.register(f"{_POOLS}.MLATokenToKVPool._create_buffers", share_mla_kv, HookType.AFTER)
 
 
 def with_pdxfer(backends: type[enum.Enum]) -> type[enum.Enum]:
@@ -49,15 +52,25 @@ def kv_class(original, transfer_backend, class_type):
     return original(transfer_backend, class_type)
 
 
-def share_cpu_kv(result, pool) -> None:
-    """A CPU KV pool of a PD server on this backend moves into shared memory as soon as
-    its tensors exist, before SGLang takes their pointers (for the KV transfer and its
+def share_mha_kv(result, pool) -> None:
+    """An MHA pool's K and V tensors, every layer's, as SGLang just allocated them."""
+    _share(pool, [*pool.k_buffer, *pool.v_buffer])
+
+
+def share_mla_kv(result, pool) -> None:
+    """An MLA pool's latent tensors, one per layer, as SGLang just allocated them."""
+    _share(pool, pool.kv_buffer)
+
+
+def _share(pool, tensors) -> None:
+    """The KV pool of a PD server on this backend becomes reachable by the daemon as soon
+    as its tensors exist, before SGLang takes their pointers (for the KV transfer and its
     own kernels alike)."""
     from sglang.srt.runtime_context import get_disagg
 
     disagg = get_disagg()
-    if str(pool.device) != "cpu" or disagg.disaggregation_mode == "null" or disagg.disaggregation_transfer_backend != BACKEND:
+    if disagg.disaggregation_mode == "null" or disagg.disaggregation_transfer_backend != BACKEND:
         return
-    from ..shm import rehome
+    from .places import share
 
-    rehome([*pool.k_buffer, *pool.v_buffer])
+    share(tensors, memory_saver=pool.memory_saver_adapter.enabled, custom_pool=pool.custom_mem_pool is not None)
