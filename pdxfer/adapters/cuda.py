@@ -1,4 +1,5 @@
-"""CUDA IPC export of an engine's own tensors (ENGINES.md A2), for register_kv.
+"""CUDA IPC export of an engine's own tensors (ENGINES.md A2), for register_kv, and of
+events the daemon waits on before it reads them (A11).
 
 torch's caching allocator carves tensors out of cudaMalloc blocks. Legacy CUDA IPC
 exports a whole block, so a tensor travels as (the block's handle, the tensor's offset
@@ -104,3 +105,17 @@ def _share(storage, i: int) -> tuple[bytes, int]:
         raise Unsupported(f"torch cannot share tensor {i}'s storage by CUDA IPC ({exc}); if the engine uses expandable segments, {EXPANDABLE_FIX}") from None
     # (device, handle, storage bytes, offset in the block, ref counter, its offset, event, event needed)
     return ipc_handle(info[1]), info[3]
+
+
+def event_after(wait_event, stream) -> tuple[object, bytes]:
+    """An interprocess CUDA event that completes once ``wait_event`` (a torch CUDA event,
+    which torch cannot export itself) has, and its IPC handle for send()'s
+    ``cuda_event``. ``stream`` is made to wait for ``wait_event`` and records the new
+    event; the host does not wait. Keep the event alive while the daemon may wait on
+    its handle: a destroyed event leaves the handle undefined."""
+    import torch
+
+    stream.wait_event(wait_event)
+    event = torch.cuda.Event(interprocess=True)
+    event.record(stream)
+    return event, bytes(event.ipc_handle())

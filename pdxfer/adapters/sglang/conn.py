@@ -38,6 +38,7 @@ from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get
 from ...core import errors
 from ...core.protocol import Rank, Role, RoomState, RoomStatus
 from ...core.topology import local_heads
+from ..cuda import event_after
 from .layout import registration
 from .link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
 from .places import locate
@@ -130,6 +131,10 @@ class PdxferKVManager(CommonKVManager):
         self.link.open()
         self.skip_pages: dict[int, int] = {}  # prefill: room -> pages of it the decode already holds
         self.sent_tokens: dict[int, int] = {}  # prefill: room -> tokens sent so far
+        self.cuda = device == "cuda"
+        self.events: dict[int, list] = {}  # prefill: room -> the CUDA events the daemon may wait on (A11)
+        self.retired_events: list = []  # those of rooms SGLang is done with, kept until they completed
+        self._event_stream = None  # prefill on GPU: where those events are recorded
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if not prefill:
             self._start_heartbeat_checker_thread()
@@ -144,20 +149,54 @@ class PdxferKVManager(CommonKVManager):
                              state_indices=None, num_kv_tokens=None, wait_event=None, indices_event=None, trace_ctx=None) -> None:
         """One chunk from CommonKVSender.send: its pages go to the daemon at once. Page
         positions count the room's prompt from 0; SGLang counts them after the decode's
-        prefix, which the daemon drops anyway."""
-        if wait_event is not None:  # the source KV is written by a forward still running (A11)
-            wait_event.synchronize()
+        prefix, which the daemon drops anyway.
+
+        No chunk needs an event but ``wait_event``'s (A11): SGLang sends a chunk once the
+        forward that wrote it has been waited for, and its mooncake backend reads the
+        pages on that alone. ``process_batch_result_disagg_prefill`` synchronizes the
+        result copy, which the copy stream orders after the forward, before it sends the
+        last chunk and, under the overlap scheduler, the middle ones; without overlap a
+        middle chunk goes in the next step, after that synchronize. Only the early send
+        of a cached prefix may run ahead of a forward still writing those pages, and it
+        carries that forward's event."""
         room = bootstrap_room
+        cuda_event = self._after(room, wait_event) if wait_event is not None else b""
         skip = self.skip_pages.get(room, 0)
         tokens = self.sent_tokens.get(room, 0) + (num_kv_tokens or 0)
         self.sent_tokens[room] = tokens
         try:
             self.link.send(room, kv_indices, skip + index_slice.start, last=is_last_chunk,
-                           num_tokens=skip * self.kv_args.page_size + tokens, row=aux_index if is_last_chunk else -1)
+                           num_tokens=skip * self.kv_args.page_size + tokens, row=aux_index if is_last_chunk else -1,
+                           cuda_event=cuda_event)
         except errors.PdxferError as exc:
             self.record_failure(room, f"pdxfer [{exc.code.value}] {exc.message}")
             self.update_status(room, KVPoll.Failed)
             self.link.abort(room, "the engine could not hand over a chunk")
+
+    def _after(self, room: int, wait_event) -> bytes:
+        """The IPC handle of an event that completes after ``wait_event``, for the daemon to
+        wait on before it reads the chunk (A11), so the scheduler does not block on the
+        forward. Recorded on a stream of its own: the scheduler's current stream made to
+        wait would hold back the work SGLang overlaps with that forward. On CPU there is
+        no such event to export: wait here."""
+        if not self.cuda:
+            wait_event.synchronize()
+            return b""
+        import torch
+
+        self.retired_events = [e for e in self.retired_events if not e.query()]
+        if self._event_stream is None:
+            self._event_stream = torch.cuda.Stream()
+        event, handle = event_after(wait_event, self._event_stream)
+        self.events.setdefault(room, []).append(event)
+        return handle
+
+    def retire(self, room: int) -> None:
+        """SGLang is done with ``room``: its prefill-side state goes, but an event the
+        daemon may still be waiting on lives until it completed."""
+        self.skip_pages.pop(room, None)
+        self.sent_tokens.pop(room, None)
+        self.retired_events += self.events.pop(room, [])
 
     def absorb_prefill(self, room: int) -> None:
         """The daemon's news of a prefill room, into SGLang's status table."""
@@ -181,8 +220,7 @@ class PdxferKVManager(CommonKVManager):
         if not self.link.quiet(room):
             self.link.abort(room, "SGLang dropped the request")
         self.link.release(room)
-        self.skip_pages.pop(room, None)
-        self.sent_tokens.pop(room, None)
+        self.retire(room)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """A held decode room's pages may be reused once pdxfer says no write can land."""
@@ -218,8 +256,7 @@ class PdxferKVSender(CommonKVSender):
         mgr, room = self.kv_mgr, self.bootstrap_room
         mgr.link.abort(room, "aborted by SGLang")
         mgr.link.drop(room)
-        mgr.skip_pages.pop(room, None)
-        mgr.sent_tokens.pop(room, None)
+        mgr.retire(room)
 
 
 class PdxferKVReceiver(CommonKVReceiver):

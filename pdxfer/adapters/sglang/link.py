@@ -183,18 +183,19 @@ class Link:
 
         self._do(post)
 
-    def send(self, room: int, pages, first_page: int, *, last: bool, num_tokens: int = 0, row: int = -1) -> None:
-        """A chunk of ``room``; the last one carries metadata row ``row`` as the aux record."""
+    def send(self, room: int, pages, first_page: int, *, last: bool, num_tokens: int = 0, row: int = -1, cuda_event: bytes = b"") -> None:
+        """A chunk of ``room``; the last one carries metadata row ``row`` as the aux record.
+        ``cuda_event``: the IPC handle of an event the daemon waits on before reading it."""
 
         def post(client: Client) -> None:
             if not last:
-                client.send(room, pages, first_page=first_page, last=False, wait=False)
+                client.send(room, pages, first_page=first_page, last=False, wait=False, cuda_event=cuda_event)
                 return
             slot = client.alloc_slot()
             self._rooms[room] = slot
             self.rows.gather(row, client.aux.payload(slot).ctypes.data)
             client.send(room, pages, first_page=first_page, last=True, num_tokens=num_tokens, slot=slot,
-                        aux_bytes=self.rows.record_bytes, wait=False)
+                        aux_bytes=self.rows.record_bytes, wait=False, cuda_event=cuda_event)
 
         self._do(post)
 
