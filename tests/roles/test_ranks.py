@@ -219,21 +219,25 @@ def test_a_chunk_waits_for_its_cuda_event_and_later_chunks_wait_behind_it():
     assert sorted(int(job.blocks.dst[0]) for job in port.submitted) == [base + 5 * PAGE_BYTES, base + 6 * PAGE_BYTES]
 
 
+def send_with_cuda_event(service, room_id: int):
+    """A one-chunk room, requested and sent with a CUDA event; its room."""
+    hello(service)
+    call(service, Announce(req=0, room=room_id))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=room_id, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    slot = grant(service)
+    call(service, Send(req=10, room=room_id, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation, cuda_event=b"e" * 64))
+    return service.rooms.get(room_id)
+
+
 def test_a_cuda_event_that_cannot_be_waited_on_fails_the_room():
     service = prefill()
-    hello(service)
-    call(service, Announce(req=0, room=8))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=8, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
-    slot = grant(service)
-    call(service, Send(req=10, room=8, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
-                       generation=slot.generation, cuda_event=b"e" * 64))
+    room = send_with_cuda_event(service, 8)
     ((_, done),) = service.port.events
     done("this daemon runs on cpu, not a CUDA device")
-    room = service.rooms.get(8)
     assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED)
     assert "CUDA event" in room.reason and "not a CUDA device" in room.reason
     assert service.port.submitted == []
-
 
 
 def test_a_cuda_event_refused_at_once_still_fails_the_room():
@@ -241,15 +245,10 @@ def test_a_cuda_event_refused_at_once_still_fails_the_room():
     the room's, or its error is lost and the chunk written without waiting."""
     service = prefill()
     service.port.event_error = "this daemon runs on cpu, not a CUDA device"
-    hello(service)
-    call(service, Announce(req=0, room=9))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=9, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
-    slot = grant(service)
-    call(service, Send(req=10, room=9, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
-                       generation=slot.generation, cuda_event=b"e" * 64))
-    room = service.rooms.get(9)
+    room = send_with_cuda_event(service, 9)
     assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED) and "not a CUDA device" in room.reason, room
     assert service.port.submitted == []
+
 
 def test_a_decode_with_another_page_size_is_refused_at_the_handshake():
     """A9: pages move whole; the refusal names both page sizes, and the decode daemon is
