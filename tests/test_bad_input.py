@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pdxfer.client import Client
+from pdxfer.core import errors
 from pdxfer.core import protocol as p
 from pdxfer.core.plan import compat_of, layout_registration, pages_to_bytes
 from pdxfer.core.protocol import RoomState
@@ -705,15 +706,17 @@ def test_a_decode_rank_of_another_layout_is_welcomed_and_its_rooms_fail_naming_t
     assert isinstance(reply, p.PeerWelcome), reply
     room = next(LAYOUT_ROOM_IDS)
     leg = p.LegRequest(pages=pages_bytes([5, 6]), slot=0, generation=1, memory_version=1)
+    # Checked as the request comes (the prefill rank registered already), before its
+    # engine computes: the decode daemon hears it at once, the engine at its send.
     sock.send_multipart([envelope(FAKE_DECODE), CODEC.encode(p.RoomRequest(room=room, legs=(leg,)))])
-    live.client.send(room, [1, 2], num_tokens=2 * small_layout().page_size, slot=live.client.alloc_slot())
-    failed = peer_reply(sock, p.RoomFailed)
+    failed = peer_reply(sock, p.PeerError)
     assert failed.room == room and failed.code is p.ErrorCode.COMPAT_MISMATCH, failed
-    assert failed.reason.startswith("incompatible KV layout: ") and how in failed.reason, failed
-    status = live.client.wait(room, timeout=REPLY_TIMEOUT)
-    assert status.state is RoomState.FAILED and status.code is p.ErrorCode.COMPAT_MISMATCH, status
-    assert status.reason == failed.reason
-    live.client.release(room)
+    assert failed.message.startswith("incompatible KV layout: ") and how in failed.message, failed
+    slot = live.client.alloc_slot()
+    with pytest.raises(errors.PdxferError) as refused:
+        live.client.send(room, [1, 2], num_tokens=2 * small_layout().page_size, slot=slot)
+    assert refused.value.code is p.ErrorCode.COMPAT_MISMATCH and failed.message in refused.value.message, refused.value
+    live.client.free_slot(slot)
     assert live.daemon.alive()
 
 

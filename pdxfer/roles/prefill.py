@@ -133,12 +133,12 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             for part in self._group(room):
                 self.work[part.id].aux_slot = msg.slot
         chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled, waiting=bool(msg.cuda_event))
-        if msg.cuda_event:
-            self.port.after_event(msg.cuda_event, lambda error: self._event_done(room.id, chunk, error))
         w.engine, w.memory_version = identity, msg.memory_version
         self._hand_over(room, w, chunk)
         for fan in self._fans(room):
             self._hand_over(fan, self.work[fan.id], chunk)
+        if msg.cuda_event:  # once the chunk is in its parts: a port may answer at once (a daemon that cannot wait)
+            self.port.after_event(msg.cuda_event, lambda error: self._event_done(room.id, chunk, error))
         return Ok(req=msg.req)
 
     def _owned_by(self, room: Room, lane) -> None:
@@ -389,6 +389,7 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             raise errors.Busy(f"{who}: no new rooms", room=msg.room, retry_after_ms=1000)
         if len(peer.rooms) >= self.config.max_rooms_per_peer:
             raise errors.Busy(f"this decode daemon already holds {len(peer.rooms)} rooms here (limit {self.config.max_rooms_per_peer})", room=msg.room)
+        self._check_early(peer, msg.room, key, leg, dst, room if room is not None else (first if fan_out else None))
         if room is None:
             room = self.rooms.create(key, Role.PREFILL, self.clock(), peer=peer.label)
             # Its rank's lane if registered (its announce or send names the right one: _owned_by).
@@ -403,6 +404,24 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             self._fan(first, room, w)
         return [(room, w)]
 
+
+    def _check_early(self, peer: DecodePeer, room_id: int, key: int, leg: LegRequest, dst, room: Room | None) -> None:
+        """A leg's destination and layouts, checked when its request comes if this prefill
+        rank registered already, not once its engine has computed and sent: an
+        incompatible pair fails before the prefill spends the compute (SGLang computes
+        only once the decode asked). The engine hears it from its room, or at its
+        announce or send; the decode daemon from the PeerError this raises."""
+        local = self.lanes[room.lane] if room is not None else next((lane for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), None)
+        if local is None or not local.ready:
+            return
+        try:
+            self._destination(local, leg, dst, peer, room_id)
+        except PdxferError as exc:
+            if room is not None:
+                self.fail(room, exc.code, exc.message)
+            else:
+                self.remember(key, RoomState.FAILED, exc.code, exc.message)
+            raise
     def _ack(self, peer: DecodePeer, msg: RoomAck) -> None:
         room = self.rooms.get(self._leg_key(msg.room, msg.leg))
         if self.work[room.id].peer != peer.identity:

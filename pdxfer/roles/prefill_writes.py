@@ -16,13 +16,17 @@ import numpy as np
 from ..core import errors, paths
 from ..core.errors import PdxferError
 from ..core.plan import Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks, plan_leg_blocks
-from ..core.protocol import AuxRecord, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
+from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
 from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import room_of
 from ..transport import Job
-from .pools import compat
+from .pools import Lane, compat
 from .prefill_state import DecodePeer, PrefillWork
+
+
+def _without_regions(compat: Compat) -> Compat:
+    return msgspec.structs.replace(compat, regions=())
 
 
 def _whole(leg: LegRequest) -> bool:
@@ -47,7 +51,7 @@ class RoomWrites:
         try:
             if peer is None:
                 raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
-            self._destination(room, w, peer)
+            self._destination(self.lane_of(room), w.request, w.dst_pages, peer, room_of(room.id))
             check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room_of(room.id))
             inline = self._inline(room, w, kv, peer.hello) if req.real and _whole(req) else None
         except PdxferError as exc:
@@ -74,21 +78,30 @@ class RoomWrites:
         w.lease_end = min(now + self._lease(w), leave)
         self._write_chunks(room, w)
 
-    def _destination(self, room: Room, w: PrefillWork, peer: DecodePeer) -> LaneInfo:
-        """The decode rank's memory the leg writes into, checked against the leg (C2, C3)
-        and against our own layout."""
-        req, room_id = w.request, room_of(room.id)
+    def _destination(self, local: Lane, req: LegRequest, dst_pages: np.ndarray, peer: DecodePeer, room_id: int) -> LaneInfo:
+        """The decode rank's memory a leg of ours (``local``'s) writes into, checked against
+        the leg (C2, C3) and against our own layout."""
         lane = peer.lanes.get(req.lane)
         if lane is None:
             raise errors.BadMessage(f"the decode daemon's request names its lane {req.lane}, which its hello does not list", room=room_id, side=errors.Side.PEER)
         check_memory_version(req.memory_version, lane.memory_version, "destination", room_id)
-        check_pages(w.dst_pages, lane.num_pages, "destination", room_id)
+        check_pages(dst_pages, lane.num_pages, "destination", room_id)
         if req.carries_aux and req.slot >= lane.aux_slots:
             raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
-        ours, theirs = compat(self._kv(room), self._aux(room)), lane.compat
+        kv = local.registered_kv()
+        ours, theirs = compat(kv, local.registered_aux()), lane.compat
         if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
-            ours, theirs = msgspec.structs.replace(ours, regions=()), msgspec.structs.replace(theirs, regions=())
+            ours, theirs = _without_regions(ours), _without_regions(theirs)
         diff = compat_diff(ours, theirs)
+        if diff and (kv.spec.heads.local, kv.spec.layers) != (lane.heads_local, lane.layers) \
+                and not compat_diff(_without_regions(ours), _without_regions(theirs)):
+            # One model split otherwise: whole pages are what the decode plans between engines of equal TP and PP.
+            raise PdxferError(
+                f"the decode daemon asked for whole pages, as between engines of equal TP and PP, but this prefill rank "
+                f"holds {kv.spec.heads.local} of {kv.spec.heads.total} KV heads, layers {kv.spec.layers[0]}-{kv.spec.layers[1] - 1}, "
+                f"and the decode rank {lane.heads_local}, layers {lane.layers[0]}-{lane.layers[1] - 1}: the decode engine must name "
+                "the prefill engine's TP and PP sizes (expect(prefill_sizes=...); vLLM: the prefill's answer carries them)",
+                room=room_id, code=ErrorCode.COMPAT_MISMATCH)
         if diff:
             raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
         return lane

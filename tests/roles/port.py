@@ -59,8 +59,9 @@ class RecordingPort:
         self.remade: set[MemoryHandle] = set()  # handles whose memory the test made anew under the same name
         self.transitions: list[tuple[int, RoomState | None, RoomState]] = []  # (room, from, to)
         self.registry: dict[str, tuple[str, str]] | None = None  # name -> (bootstrap, incarnation); None: no registry
-        self.watched: dict[bytes, tuple[int, int]] = {}
-        self.events: list[tuple[bytes, Callable[[str], None]]] = []  # CUDA events a role waits for: (handle, call when done)  # engine connection -> (pid, pid namespace) the role asked to watch
+        self.watched: dict[bytes, tuple[int, int]] = {}  # engine connection -> (pid, pid namespace) the role asked to watch
+        self.events: list[tuple[bytes, Callable[[str], None]]] = []  # CUDA events a role waits for: (handle, call when done)
+        self.event_error = ""  # set: every CUDA event fails at once with it, as on a daemon that cannot wait on one
         self._timers: list[tuple[int, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
@@ -130,6 +131,9 @@ class RecordingPort:
         self.transitions.append((room.id, left, room.state))
 
     def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
+        if self.event_error:  # as a daemon that cannot wait on events answers: at once
+            done(self.event_error)
+            return
         self.events.append((handle, done))
 
     def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:

@@ -16,6 +16,7 @@ from pdxfer.core.protocol import (
     EngineHello,
     ErrorCode,
     Expect,
+    PeerError,
     LegRequest,
     PeerRefused,
     PeerWelcome,
@@ -218,19 +219,34 @@ def test_a_chunk_waits_for_its_cuda_event_and_later_chunks_wait_behind_it():
     assert sorted(int(job.blocks.dst[0]) for job in port.submitted) == [base + 5 * PAGE_BYTES, base + 6 * PAGE_BYTES]
 
 
+def send_with_cuda_event(service, room_id: int):
+    """A one-chunk room, requested and sent with a CUDA event; its room."""
+    hello(service)
+    call(service, Announce(req=0, room=room_id))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=room_id, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    slot = grant(service)
+    call(service, Send(req=10, room=room_id, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation, cuda_event=b"e" * 64))
+    return service.rooms.get(room_id)
+
+
 def test_a_cuda_event_that_cannot_be_waited_on_fails_the_room():
     service = prefill()
-    hello(service)
-    call(service, Announce(req=0, room=8))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=8, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
-    slot = grant(service)
-    call(service, Send(req=10, room=8, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
-                       generation=slot.generation, cuda_event=b"e" * 64))
+    room = send_with_cuda_event(service, 8)
     ((_, done),) = service.port.events
     done("this daemon runs on cpu, not a CUDA device")
-    room = service.rooms.get(8)
     assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED)
     assert "CUDA event" in room.reason and "not a CUDA device" in room.reason
+    assert service.port.submitted == []
+
+
+def test_a_cuda_event_refused_at_once_still_fails_the_room():
+    """A CPU daemon answers a CUDA event at once: the chunk it came with must already be
+    the room's, or its error is lost and the chunk written without waiting."""
+    service = prefill()
+    service.port.event_error = "this daemon runs on cpu, not a CUDA device"
+    room = send_with_cuda_event(service, 9)
+    assert (room.state, room.code) == (F, ErrorCode.TRANSFER_FAILED) and "not a CUDA device" in room.reason, room
     assert service.port.submitted == []
 
 
@@ -336,3 +352,42 @@ def test_fan_out_parts_asked_for_before_the_engine_sent_report_to_it_and_go_when
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
     assert service.rooms.find(12) is None and service.rooms.find(fan_key(12, 1)) is None
     assert service.lanes[0].aux.slots.slots[slot.slot].state.value == "free"
+
+
+# --- layouts checked when the request comes
+
+
+def test_an_incompatible_decode_rank_fails_the_room_when_it_asks_not_after_the_prefill_computed():
+    """A registered prefill rank checks a leg's destination as its request comes: the
+    decode daemon hears the mismatch at once (a PeerError naming the field), and the
+    engine's send, which comes only after its compute, hears that the room failed."""
+    service = prefill()
+    port = service.port
+    (lane,) = decode_hello().lanes
+    hello(service, lanes=(replace(lane, compat=replace(lane.compat, dtype="float16")),))
+    slot = grant(service)
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=14, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    (refused,) = [m for kind, _, m in port.take() if kind == "peer"]
+    assert isinstance(refused, PeerError) and refused.code is ErrorCode.COMPAT_MISMATCH, refused
+    assert "dtype" in refused.message and refused.leg == 0, refused.message
+    reply = call(service, Send(req=10, room=14, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                               generation=slot.generation))
+    assert type(reply).__name__ == "Error" and "dtype" in reply.message, reply
+    assert port.submitted == []
+
+
+def test_whole_pages_asked_between_ranks_of_different_shares_name_the_prefill_sizes():
+    """A decode engine that did not name the prefill's TP (its daemon then plans whole
+    pages, as for equal TP) toward a rank holding another share of the heads: refused,
+    saying which sizes to pass, not only that the regions differ."""
+    service = prefill()
+    port = service.port
+    (lane,) = decode_hello().lanes
+    doubled = tuple((layer, kind, page_bytes * 2) for layer, kind, page_bytes in lane.compat.regions)  # twice the heads a page
+    hello(service, lanes=(replace(lane, heads_local=lane.heads_local * 2, compat=replace(lane.compat, regions=doubled)),))
+    call(service, Announce(req=0, room=15))
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=15, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    (refused,) = [m for kind, _, m in port.take() if kind == "peer"]
+    assert isinstance(refused, PeerError) and refused.code is ErrorCode.COMPAT_MISMATCH, refused
+    assert "prefill_sizes" in refused.message, refused.message
+    assert service.rooms.get(15).state is F  # the announced room fails: its engine hears it now
