@@ -320,6 +320,27 @@ def test_a_tp2_prefill_room_lands_in_a_tp1_decode_s_pages_head_by_head(daemons):
 
 
 @needs_mooncake
+def test_a_chunk_s_cuda_event_reaches_the_daemon_which_on_cpu_fails_the_room_saying_why(daemons):
+    """The backend passes SGLang's early-send event as send()'s cuda_event (A11); a CPU
+    daemon cannot wait on one, so the room fails naming the chunk (on a GPU,
+    tests/gpu/test_sglang_gpu.py waits on a real one)."""
+    prefill_daemon, decode_daemon = daemons("prefill"), daemons("decode")
+    prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
+    room = 4444
+    try:
+        prefill.link.announce(room)
+        host, port = prefill.link.bootstrap
+        decode.link.expect(room, f"{host}:{port}", [20, 21], skip_pages=0)
+        wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        prefill.link.send(room, np.array([3], np.int32), 0, last=False, cuda_event=bytes(64))
+        status = wait_for(prefill.link, room, RoomState.FAILED)
+        assert "the CUDA event of the chunk at position 0" in status.reason and "not a CUDA device" in status.reason
+    finally:
+        prefill.link.close()
+        decode.link.close()
+
+
+@needs_mooncake
 def test_a_failed_room_released_before_its_fence_stays_unsafe_until_the_fence(daemons):
     """SGLang clears a failed decode receiver (failure_exception) before its deferred
     release asks is_abort_release_safe (Link.quiet): the release waits for the fence,
