@@ -319,6 +319,19 @@ def test_room_shows_its_history_with_timestamps(scene):
     assert re.search(r"^\s+failed\s+\+\d+\.\d{3}s\s+\d{4}-", text, re.M)
 
 
+def test_a_released_room_answers_with_its_outcome(scene):
+    """Room 1 ran to success and both engines released it: the daemons keep only its
+    outcome, and say so, rather than that no such room exists."""
+    s = scene
+    for daemon in (s.decode, s.prefill):
+        room = s.json(daemon, "room", "1")
+        assert room["released"] and room["state"] == "success" and room.get("code") is None, room
+    text = s.cli(s.decode, "room", "1").stdout
+    assert "room 1 (decode): released by its engine after it ended success" in text, text
+    refused = s.cli(s.prefill, "room", "1", "--fail", "--reason", "late")  # the prefill runs with --admin-writes
+    assert refused.returncode != 0 and "released already" in refused.stderr, refused.stderr
+
+
 def test_room_that_does_not_exist(scene):
     out = scene.cli(scene.decode, "room", "999")
     assert out.returncode == inspect_mod.EXIT_REFUSED

@@ -692,6 +692,7 @@ class RoomInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     code: ErrorCode | None = None
     reason: str = ""
     history: tuple[tuple[RoomState, float], ...] = ()  # (state, seconds after creation); in admin_room replies
+    released: bool = False  # admin_room: its engine released it; only its outcome (state, code, reason) is kept
 
 
 class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):

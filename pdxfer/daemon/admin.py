@@ -55,9 +55,21 @@ def slot_infos(lanes, now: float) -> list[SlotInfo]:
 
 
 def _rank_rooms(service, room: int) -> list[Room]:
-    """Every local rank's part of ``room``; UnknownRoom when there is none."""
-    rooms = {key: found for lane in service.lanes if (found := service.rooms.find(key := room_key(room, lane.code))) is not None}
-    return list(rooms.values()) or [service.rooms.get(room)]
+    """Every local rank's live part of ``room``."""
+    return list({key: found for lane in service.lanes if (found := service.rooms.find(key := room_key(room, lane.code))) is not None}.values())
+
+
+def _released(service, room: int) -> list[RoomInfo]:
+    """The outcome of every local rank's part of ``room`` that its engine released
+    (kept for a while, bounded); UnknownRoom when there is none either."""
+    found = [(lane, service.finished[key]) for lane in service.lanes if (key := room_key(room, lane.code)) in service.finished]
+    if not found:
+        service.rooms.get(room)  # raises UnknownRoom, naming it
+    return [
+        RoomInfo(room=room, lane=lane.index, role=service.role, state=state, age=0.0, in_state=0.0, peer="", slot=-1, generation=0,
+                 bytes_planned=0, bytes_moved=0, fenced=False, code=code, reason=reason, released=True)
+        for lane, (state, code, reason) in found
+    ]
 
 
 def _fence_in(slot, now: float) -> float:
@@ -130,6 +142,12 @@ def handle(daemon, msg: Message) -> Message:
             return RoomsReply(req=msg.req, rooms=sorted(rooms, key=lambda r: -r.age))
         if isinstance(msg, AdminRoom):
             rooms = _rank_rooms(service, msg.room)
+            if not rooms:
+                released = _released(service, msg.room)
+                if msg.fail:
+                    _writes_allowed(daemon, "fail a room")
+                    raise errors.BadMessage(f"room {msg.room} was released already ({released[0].state.value})", room=msg.room)
+                return RoomsReply(req=msg.req, rooms=released)
             if msg.fail:
                 _writes_allowed(daemon, "fail a room")
                 failed = [service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}") for room in rooms]

@@ -111,7 +111,8 @@ def add_commands(sub) -> None:
         "the time after creation and the daemon's wall clock. With --fail, fail the room (its engine and its\n"
         "peer are told, its slot is quarantined until fenced); the daemon must run with --admin-writes.\n"
         "A daemon serving several ranks of an engine holds a room once per rank (lane): each part is shown,\n"
-        "and --fail fails them all.",
+        "and --fail fails them all. A room its engine released is gone; the daemon keeps the outcome of the\n"
+        "last --max-rooms of them, shown with \"released\" (JSON: released: true).",
         "print the room, every field and its history as [state, seconds after creation] pairs "
         "(several parts: {\"rooms\": [...]})",
     )

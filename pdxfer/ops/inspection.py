@@ -352,6 +352,9 @@ def cmd_rooms(args) -> int:
 def room_detail(room: RoomInfo, wall: float, lane: bool = False) -> str:
     """One room in full (``lane``: naming the engine rank's lane it is on); ``wall`` is
     the daemon's wall clock when it answered."""
+    if room.released:
+        return (f"room {room.room} ({room.role.value}{f', lane {room.lane}' if lane else ''}): released by its engine after it ended "
+                f"{room.state.value}{'' if room.code is None else ': ' + room_error(room)}; the daemon keeps only that outcome")
     created = wall - room.age
     lines = [
         f"room {room.room} ({room.role.value}{f', lane {room.lane}' if lane else ''}): {room.state.value} for {tables.duration(room.in_state)}, "
