@@ -154,6 +154,23 @@ class Worker:
 
 SHM_DIR = "/dev/shm"
 
+PLUGIN_DIST = "pdxfer_engine_tests-0.dist-info"
+
+
+def plugin_dist(workdir: str, group: str, entries: dict[str, str]) -> str:
+    """A directory holding a ``.dist-info`` that declares ``entries`` (name ->
+    ``module:function``) in the entry point ``group``: put it on PYTHONPATH and the
+    engine loads them in every process, as it would an installed plugin's."""
+    root = os.path.join(workdir, "plugins")
+    dist = os.path.join(root, PLUGIN_DIST)
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: pdxfer-engine-tests\nVersion: 0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
+        f.write(f"[{group}]\n")
+        f.writelines(f"{name} = {target}\n" for name, target in entries.items())
+    return root
+
 
 def _shm_names(prefixes: tuple[str, ...]) -> set[str]:
     if not prefixes or not os.path.isdir(SHM_DIR):

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from pdxfer.ops.inspection import daemon_counters
 from pdxfer.tools.launch import start_daemon, stop_all
-from tests.engines.procs import REPO_ROOT, Worker
+from tests.engines.procs import REPO_ROOT, Worker, plugin_dist
 from tests.engines.prompts import Request
 from tests.engines.sglang_plugins import KVARGS_DIR_ENV, TRANSFER_LOG_DIR_ENV
 from tests.engines.sglang_worker import ENGINE_ARGS_ENV
@@ -63,7 +63,6 @@ ENGINE_ARGS = {
 }
 
 # The test plugins (sglang_plugins.py) as an installed distribution would declare them.
-PLUGIN_DIST = "pdxfer_engine_tests-0.dist-info"
 PLUGIN_ENTRY_POINTS = {
     "mooncake_cpu": "tests.engines.sglang_plugins:mooncake_cpu",
     "kvargs_dump": "tests.engines.sglang_plugins:kvargs_dump",
@@ -115,20 +114,11 @@ def free_port() -> int:
 
 
 def plugin_path(workdir: str, names: Iterable[str], extra: dict[str, str] | None = None) -> str:
-    """A directory holding a ``.dist-info`` whose entry points are the named test
-    plugins (plus ``extra``, name → ``module:function``): put it on PYTHONPATH and
-    SGLang loads them in every process, as it would an installed plugin."""
+    """A directory whose ``.dist-info`` declares the named test plugins (plus ``extra``,
+    name → ``module:function``): on PYTHONPATH, SGLang loads them in every process."""
     entries = {name: PLUGIN_ENTRY_POINTS[name] for name in names}
     entries.update(extra or {})
-    root = os.path.join(workdir, "plugins")
-    dist = os.path.join(root, PLUGIN_DIST)
-    os.makedirs(dist, exist_ok=True)
-    with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: pdxfer-engine-tests\nVersion: 0\n")
-    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\n")
-        f.writelines(f"{name} = {target}\n" for name, target in entries.items())
-    return root
+    return plugin_dist(workdir, "sglang.srt.plugins", entries)
 
 
 def engine_env(workdir: str, plugins: Sequence[str], extra_plugins: dict[str, str] | None = None,

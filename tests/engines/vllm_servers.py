@@ -16,11 +16,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tests.engines.procs import REPO_ROOT, log_tail
+from tests.engines.procs import REPO_ROOT, log_tail, plugin_dist
 from tests.engines.prompts import Request
 from tests.engines.vllm_engines import BLOCK_SIZE, ENGINE_ARGS, START_TIMEOUT
+from tests.engines.vllm_plugins import PLUGIN_ENTRY_POINTS
 
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
@@ -90,15 +94,64 @@ class Server:
         self.proc.wait()
 
 
+def mooncake_kv_config(role: str, engine_id: str) -> dict:
+    """vLLM's own MooncakeConnector over Mooncake's TCP transport (this machine has no
+    RDMA); on CPU it needs the ``mooncake_cpu`` test plugin (`vllm_plugins`)."""
+    return {"kv_connector": "MooncakeConnector", "kv_role": role, "engine_id": engine_id,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+
+
+def mooncake_env(bootstrap_port: int | None = None) -> dict[str, str]:
+    """A MooncakeConnector server's environment: every address on loopback, and for a
+    prefill the port of the bootstrap server its connector starts (the decode learns it
+    from each request's ``remote_bootstrap_addr``)."""
+    env = {"VLLM_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1"}
+    if bootstrap_port is not None:
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
+    return env
+
+
+def mooncake_params(bootstrap_url: str, prefill_engine: str) -> tuple[dict, dict]:
+    """One request's kv_transfer_params for MooncakeConnector, (the prefill's, the
+    decode's), as vLLM's Mooncake router sends them to both at once: a fresh transfer id,
+    and for the decode the prefill engine's id and its bootstrap server."""
+    transfer = uuid.uuid4().hex
+    return ({"do_remote_decode": True, "transfer_id": transfer},
+            {"do_remote_prefill": True, "transfer_id": transfer, "remote_engine_id": prefill_engine, "remote_bootstrap_addr": bootstrap_url})
+
+
+@contextmanager
+def mooncake_servers(workdir: str, model_dir: str, prefill_engine: str = "prefill-0") -> Iterator[tuple[Server, Server, str]]:
+    """A prefill and a decode server with MooncakeConnector, serving: (prefill, decode,
+    the prefill's bootstrap URL for `mooncake_params`). Stopped on exit."""
+    bootstrap_port = free_port()
+    servers = [start_server("mooncake-prefill", workdir, model_dir, mooncake_kv_config("kv_producer", prefill_engine),
+                            plugins=("mooncake_cpu",), extra_env=mooncake_env(bootstrap_port)),
+               start_server("mooncake-decode", workdir, model_dir, mooncake_kv_config("kv_consumer", "decode-0"),
+                            plugins=("mooncake_cpu",), extra_env=mooncake_env())]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers[0], servers[1], f"http://127.0.0.1:{bootstrap_port}"
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def start_server(name: str, workdir: str, model_dir: str, kv_transfer_config: dict | None = None, policy: str | None = None,
-                 tensor_parallel: int = 1) -> Server:
-    """Start (not wait for) a server; ``wait_ready`` next."""
+                 tensor_parallel: int = 1, plugins: Sequence[str] = (), extra_env: dict[str, str] | None = None) -> Server:
+    """Start (not wait for) a server; ``wait_ready`` next. ``plugins``: test plugins of
+    `vllm_plugins` to load, and then only those (VLLM_PLUGINS)."""
     port = free_port()
     if kv_transfer_config is not None and policy is not None:
         kv_transfer_config = {**kv_transfer_config, "kv_load_failure_policy": policy}
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    paths = [REPO_ROOT, plugin_dist(workdir, "vllm.general_plugins", {p: PLUGIN_ENTRY_POINTS[p] for p in plugins}) if plugins else None]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p)
+    if plugins:
+        env["VLLM_PLUGINS"] = ",".join(plugins)
     env.update(SERVER_ENV)
+    env.update(extra_env or {})
     log_path = os.path.join(workdir, f"{name}.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(serve_argv(model_dir, port, kv_transfer_config, tensor_parallel), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
