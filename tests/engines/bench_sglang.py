@@ -22,29 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import sys
 import tempfile
 
-from tests.engines import model, sglang_pd
-from tests.engines.prompts import Request
-
-NEW_TOKENS = 4
-FLOAT32 = 4
-
-
-def waves(requests: int, wave: int, shortest: int, longest: int, seed: int = 0) -> list[list[Request]]:
-    """A warm-up wave of two short prompts, then ``requests`` prompts of
-    ``shortest``-``longest`` random ids in waves of ``wave``."""
-    rng = random.Random(seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(3, model.VOCAB_SIZE) for _ in range(n))
-
-    counted = [Request(ids(rng.randint(shortest, longest)), NEW_TOKENS) for _ in range(requests)]
-    return [[Request(ids(40), NEW_TOKENS), Request(ids(70), NEW_TOKENS)]] + [counted[i:i + wave] for i in range(0, requests, wave)]
+from tests.engines import bench_workload, model, sglang_pd
+from tests.engines.bench_workload import NEW_TOKENS, waves
 
 
 def figures(run: sglang_pd.PDRun) -> dict:
@@ -58,21 +42,13 @@ def figures(run: sglang_pd.PDRun) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.engines.bench_sglang", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--wave", type=int, default=8, help="requests sent at once")
-    parser.add_argument("--prompt", default="700-1000", help="prompt lengths in ids, MIN-MAX")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=8)
+    bench_workload.add_arguments(parser)
     parser.add_argument("--chunked-prefill", type=int, default=512)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (engine and daemon logs)")
     args = parser.parse_args(argv)
     shortest, longest = map(int, args.prompt.split("-"))
     workdir = tempfile.mkdtemp(prefix="pdxfer-bench-sglang-")
-    model_dir = model.write_model_dir(
-        os.path.join(workdir, "model"), num_hidden_layers=args.layers, num_key_value_heads=args.kv_heads,
-        num_attention_heads=max(args.kv_heads, model.CONFIG["num_attention_heads"]),
-    )
-    kv_per_token = args.layers * 2 * args.kv_heads * model.HEAD_DIM * FLOAT32
+    model_dir, kv_per_token = bench_workload.wide_model(workdir, args)
     prompts = waves(args.requests, args.wave, shortest, longest)
     common = {"engine_args": {"chunked_prefill_size": args.chunked_prefill},
               "plugins": (*sglang_pd.BASELINE_PLUGINS, "decode_log")}
