@@ -15,7 +15,10 @@ Both pairs are driven by the same router, this script: for each request it picks
 connector's transfer id (pdxfer: a room) and sends the prompt to the prefill
 (max_tokens=1) and to the decode (streamed) at once, with the params each connector
 reads (`route_params`: pdxfer's are what ``pdxfer proxy`` sends, MooncakeConnector's
-what vLLM's Mooncake router sends), so no proxy's hop is counted for either.
+what vLLM's Mooncake router sends), so no proxy's hop is counted for either. (``pdxfer
+proxy`` cannot route MooncakeConnector, even with --sequential: that connector's prefill
+answers no params, and its decode needs the transfer id and the prefill's bootstrap
+address with the request.)
 
 Per connector: requests/s (the counted requests over the seconds their waves took,
 from sending a wave to its last answer) and p50/p99 of the hand-off, from the
