@@ -16,10 +16,14 @@ from pdxfer.core.topology import (
     Leg,
     LegKind,
     all_legs,
+    fan_key,
+    key_label,
     legs_for_decode_rank,
     prefill_fan_out,
     prefill_group,
     prefill_sources,
+    rank_code,
+    room_key,
     stage_layers,
 )
 
@@ -279,3 +283,10 @@ def test_legs_are_frozen():
     (leg,) = legs_for_decode_rank(1, 1, 8, 0, False, num_layers=4)
     with pytest.raises(AttributeError):
         leg.head_count = 1  # type: ignore[misc]
+
+
+def test_logs_name_a_rank_s_part_of_a_room_by_room_and_rank():
+    assert key_label(room_key(11, 0)) == "11"
+    assert key_label(room_key(11, rank_code(pp=0, tp=1))) == "11@pp=0,tp=1"
+    assert key_label(room_key(2**63, rank_code(pp=3, tp=7))) == f"{2**63}@pp=3,tp=7"
+    assert key_label(fan_key(11, 0x10002)) == "11@leg=0x10002"

@@ -328,6 +328,17 @@ def rank_of(key: int) -> int:
     return key >> _ROOM_BITS
 
 
+def key_label(key: int) -> str:
+    """A room-table key as logs name it: the room id, then the rank part it is of
+    (``11@pp=0,tp=1``; a fan-out part ``11@leg=0x...``), none for rank (0, 0)."""
+    room, rank = room_of(key), rank_of(key)
+    if not rank:
+        return str(room)
+    if rank >> 64:
+        return f"{room}@leg={rank & ((1 << 64) - 1):#x}"
+    return f"{room}@pp={rank >> 16},tp={rank & 0xFFFF}"
+
+
 def prefill_sources(legs: Sequence[Leg], prefill_tp: int, prefill_pp: int = 0) -> list[Leg]:
     """The legs prefill rank (tp, pp) sources, out of a room's legs: what it must see
     acknowledged before its status reaches Success."""

@@ -27,6 +27,7 @@ from ..core.config import Config
 from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
 from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, MemoryHandle, Message, PeerError, PeerRefused, PeersReply, Role, RoomState, ShmHandle
 from ..core.rooms import Room
+from ..core.topology import key_label, room_of
 from ..host import cpu_yield, memory
 from ..host.processes import EngineWatch
 from ..roles.decode import DecodeService
@@ -419,8 +420,8 @@ class Daemon:
     def _observe(self, room, left, now: float) -> None:
         """The room table's observer with debug logging: metrics, and one line per transition."""
         self.metrics.observe(room, left, now)
-        log.debug("room %d %s -> %s peer=%s%s", room.id, left.value if left else "new", room.state.value, room.peer or "-",
-                  f" [{room.code.value}] {room.reason}" if room.code else "", extra={"room": room.id, "peer": room.peer or None})
+        log.debug("room %s %s -> %s peer=%s%s", key_label(room.id), left.value if left else "new", room.state.value, room.peer or "-",
+                  f" [{room.code.value}] {room.reason}" if room.code else "", extra={"room": room_of(room.id), "peer": room.peer or None})
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()

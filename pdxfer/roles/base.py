@@ -52,7 +52,7 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room, RoomTable, Timeouts
 from ..core.slots import SlotState
-from ..core.topology import room_key, room_of
+from ..core.topology import key_label, room_key, room_of
 from ..transport import Peer
 from .pools import Lane, MappedAux, MappedKV
 from .ports import Mapping, Port
@@ -431,7 +431,8 @@ class RoomService:
             return False
         self.count_failure(code.value)
         self.outcomes["failed"] += 1
-        log.warning("room %d failed [%s] peer=%s: %s", room.id, code.value, room.peer or "-", reason, extra={"room": room.id, "peer": room.peer or None})
+        log.warning("room %s failed [%s] peer=%s: %s", key_label(room.id), code.value, room.peer or "-", reason,
+                    extra={"room": room_of(room.id), "peer": room.peer or None})
         slots = self._slots_of(room)
         if room.slot >= 0 and slots is not None:
             slot = slots.slots[room.slot]
@@ -580,7 +581,7 @@ class RoomService:
         now = self.clock()
         for room in self.rooms.expired(now):
             if room.finished:
-                log.info("room %d dropped: finished %.0fs ago and never released", room.id, now - room.entered, extra={"room": room.id})
+                log.info("room %s dropped: finished %.0fs ago and never released", key_label(room.id), now - room.entered, extra={"room": room_of(room.id)})
                 self.drop(room)
             else:
                 limit = self.rooms.timeouts.for_state(room.state)
@@ -598,6 +599,7 @@ class RoomService:
                 log.warning("reclaimed %d aux slots of %s granted over %gs ago and never used: %s", len(reclaimed), lane.name, self.config.retention, reclaimed[:8])
             for slot in lane.aux.slots.expire_fences(now):
                 room = self.rooms.find(slot.room)  # the room it was quarantined for, not its new state
-                log.warning("aux slot %d generation %d released by fence timeout (room %d)", slot.index, slot.generation, slot.room, extra={"room": slot.room})
+                log.warning("aux slot %d generation %d released by fence timeout (room %s)", slot.index, slot.generation, key_label(slot.room),
+                            extra={"room": room_of(slot.room)})
                 if room is not None and room.generation == slot.generation:
                     self.fenced(room)

@@ -74,7 +74,7 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
-from ..core.topology import decode_rank_of, room_key, room_of
+from ..core.topology import decode_rank_of, key_label, room_key, room_of
 from ..transport import Peer, primary
 from .base import RoomService
 from .decode_requests import RoomRequests
@@ -509,8 +509,8 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         if link is not None and room.slot >= 0:
             waiting = frozenset(code for code, leg in w.legs.items() if not leg.peer_fenced)
             link.unfenced[room.id] = (room.lane, room.slot, room.generation, waiting)
-        log.warning("room %d: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
-                    room_id, room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room_id, "peer": w.link})
+        log.warning("room %s: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
+                    key_label(room.id), room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room_id, "peer": w.link})
         return False
 
     def _withdraw(self, link: PrefillLink, room: Room) -> None:
