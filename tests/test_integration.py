@@ -261,17 +261,22 @@ def test_a_decode_of_another_page_size_is_refused_naming_both(engines):
 
 
 def test_compat_mismatch_fails_the_room_naming_the_difference(engines):
-    """Other fields are compared once both halves of a room are in (a decode daemon
-    serves many ranks: another layout fails rooms, not its hello). Both sides fail it."""
+    """Other fields are compared as the decode's request comes, when the prefill rank has
+    registered (a decode daemon serves many ranks: another layout fails rooms, not its
+    hello), so before the prefill engine computes. Both sides fail it: the decode at once,
+    the prefill engine at its send()."""
     prefill = engines(engines.prefill_daemon, small_layout(dtype="bfloat16"))
     decode = engines(engines.decode_daemon, small_layout(dtype="float16"))
+    difference = "incompatible KV layout: dtype: prefill='bfloat16' decode='float16'"
     slot = decode.alloc_slot()
     decode.expect(6, engines.prefill_daemon.bootstrap, np.array([1]), slot)
-    prefill.send(6, np.array([2]), 4, prefill.alloc_slot())
-    for side in (decode, prefill):
-        status = side.wait(6)
-        assert status.state is RoomState.FAILED and status.code == "compat_mismatch", status
-        assert "incompatible KV layout: dtype: prefill='bfloat16' decode='float16'" in status.reason
+    status = decode.wait(6)
+    assert status.state is RoomState.FAILED and status.code == "compat_mismatch" and difference in status.reason, status
+    source_slot = prefill.alloc_slot()
+    with pytest.raises(errors.CompatMismatch) as refused:
+        prefill.send(6, np.array([2]), 4, source_slot)
+    assert difference in refused.value.message, refused.value
+    prefill.free_slot(source_slot)
     assert prefill.stats().peers == 1  # the decode daemon is still its peer
 
 
