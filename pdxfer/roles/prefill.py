@@ -406,13 +406,23 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
 
 
     def _check_early(self, peer: DecodePeer, room_id: int, key: int, leg: LegRequest, dst, room: Room | None) -> None:
-        """A leg's destination and layouts, checked when its request comes if this prefill
-        rank registered already, not once its engine has computed and sent: an
+        """A leg's destination and layouts, checked when its request comes if the prefill
+        rank's memory is known (its engine announced the room, or it is the only engine
+        of that rank here), not once its engine has computed and sent: an
         incompatible pair fails before the prefill spends the compute (SGLang computes
         only once the decode asked). The engine hears it from its room, or at its
         announce or send; the decode daemon from the PeerError this raises."""
-        local = self.lanes[room.lane] if room is not None else next((lane for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), None)
-        if local is None or not local.ready:
+        head = self._head(room) if room is not None else None
+        if head is not None and head.engine:  # its engine announced or sent: the room's lane is that rank's
+            local = self.lanes[room.lane]
+        else:
+            # A request names the rank, not the engine: with several engines of that rank
+            # here, which one's memory it reads is known only once one sends it.
+            ranks = [lane for lane in self.lanes if lane.code == prefill_rank_of(leg.leg) and lane.ready]
+            if len(ranks) != 1:
+                return
+            local = ranks[0]
+        if not local.ready:
             return
         try:
             self._destination(local, leg, dst, peer, room_id)

@@ -391,3 +391,26 @@ def test_whole_pages_asked_between_ranks_of_different_shares_name_the_prefill_si
     assert isinstance(refused, PeerError) and refused.code is ErrorCode.COMPAT_MISMATCH, refused
     assert "prefill_sizes" in refused.message, refused.message
     assert service.rooms.get(15).state is F  # the announced room fails: its engine hears it now
+
+
+def test_a_request_for_a_rank_two_engines_share_is_checked_against_the_engine_that_sends():
+    """Two prefill engines of rank 0 on one daemon (a TP1 and a TP2 server): a request
+    names the rank, not the engine, so it cannot tell whose memory it reads. Nothing is
+    checked early against a guess (a TP2 -> TP2 room failed so against the TP1 engine's
+    layout); the check runs once an engine sends, against that engine's memory."""
+    service = prefill(registered=False)
+    port = service.port
+    for identity, engine in ((b"p0", "tp1-server"), (b"p1", "tp2-server")):
+        reply = call(service, EngineHello(req=1, version=PROTOCOL_VERSION, engine_id=engine, role=Role.PREFILL), identity)
+        assert isinstance(reply, Welcome), reply
+        register(service, identity)
+    (lane,) = decode_hello().lanes
+    hello(service, lanes=(replace(lane, compat=replace(lane.compat, dtype="float16")),))
+    slot = grant(service, b"p1")
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=16, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    assert [type(m).__name__ for kind, _, m in port.take() if kind == "peer"] == ["RoomAccepted"]
+    call(service, Send(req=10, room=16, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
+                       generation=slot.generation), b"p1")
+    room = service.rooms.get(16)
+    assert (room.state, room.code) == (F, ErrorCode.COMPAT_MISMATCH) and "dtype" in room.reason, room
+    assert service.lanes[room.lane].engine_id == "tp2-server"
