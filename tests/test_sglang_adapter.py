@@ -328,10 +328,7 @@ def test_a_chunk_s_cuda_event_reaches_the_daemon_which_on_cpu_fails_the_room_say
     prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
     room = 4444
     try:
-        prefill.link.announce(room)
-        host, port = prefill.link.bootstrap
-        decode.link.expect(room, f"{host}:{port}", [20, 21], skip_pages=0)
-        wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        requested(prefill, decode, room, [20, 21])
         prefill.link.send(room, np.array([3], np.int32), 0, last=False, cuda_event=bytes(64))
         status = wait_for(prefill.link, room, RoomState.FAILED)
         assert "the CUDA event of the chunk at position 0" in status.reason and "not a CUDA device" in status.reason
@@ -352,10 +349,7 @@ def test_a_failed_room_released_before_its_fence_stays_unsafe_until_the_fence(da
     prefill, decode = Engine(prefill_daemon, Role.PREFILL), Engine(decode_daemon, Role.DECODE)
     room = 4343
     try:
-        prefill.link.announce(room)
-        host, port = prefill.link.bootstrap
-        decode.link.expect(room, f"{host}:{port}", [20, 21], skip_pages=0)
-        wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
+        requested(prefill, decode, room, [20, 21])
         prefill_daemon.proc.send_signal(signal.SIGSTOP)
         try:
             decode.link.abort(room, "aborted by SGLang")
@@ -406,6 +400,15 @@ def wait_until(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def requested(prefill: Engine, decode: Engine, room: int, dst: list[int]) -> None:
+    """The prefill announces ``room``, the decode asks for it into ``dst`` (no prefix),
+    and the prefill's room waits for its input."""
+    prefill.link.announce(room)
+    host, port = prefill.link.bootstrap
+    decode.link.expect(room, f"{host}:{port}", dst, skip_pages=0)
+    wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
 
 
 def wait_for(link: Link, room: int, state: RoomState):
