@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from pdxfer.adapters.vllm import params
 from pdxfer.tools.launch import start_daemon, stop_all
 from tests.engines import bench_workload, model
-from tests.engines.bench_workload import NEW_TOKENS, waves
+from tests.engines.bench_workload import NEW_TOKENS
 from tests.engines.prompts import Request
 from tests.engines.vllm_servers import (Server, completion_body, free_port, metric, mooncake_params, mooncake_servers, pdxfer_kv_config,
                                         post, start_server)
@@ -161,9 +160,8 @@ NAMES = {"mooncake": "MooncakeConnector", "pdxfer": "pdxfer"}
 
 def figures(run: Run) -> dict:
     """Requests/s and hand-off percentiles (ms) over the counted waves (all but the first)."""
-    handoffs = sorted(1000 * h for wave in run.handoffs[1:] for h in wave)
-    cuts = statistics.quantiles(handoffs, n=100, method="inclusive")
-    return {"rps": len(handoffs) / sum(run.wave_seconds[1:]), "p50": statistics.median(handoffs), "p99": cuts[98], "requests": len(handoffs)}
+    handoffs = [1000 * h for wave in run.handoffs[1:] for h in wave]
+    return bench_workload.handoff_figures(handoffs, len(handoffs), sum(run.wave_seconds[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,10 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory (server and daemon logs)")
     parser.add_argument("--verbose", action="store_true", help="print every counted hand-off, per wave")
     args = parser.parse_args(argv)
-    shortest, longest = map(int, args.prompt.split("-"))
-    workdir = tempfile.mkdtemp(prefix="pdxfer-bench-vllm-")
-    model_dir, kv_per_token = bench_workload.wide_model(workdir, args)
-    prompts = waves(args.requests, args.wave, shortest, longest)
+    work = bench_workload.prepare(args, "pdxfer-bench-vllm-")
+    workdir, model_dir, prompts = work.workdir, work.model_dir, work.prompts
     order = [args.first, *(name for name in PAIRS if name != args.first)]
     runs, received = {}, None
     try:
@@ -191,24 +187,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work directory: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    counted = [r for wave in prompts[1:] for r in wave]
-    mean_kv = sum(len(r.input_ids) for r in counted) / len(counted) * kv_per_token
-    rows = {NAMES[name]: figures(runs[name]) for name in PAIRS}
+    counted = work.counted
     print(f"bench-vllm: {len(counted)} requests in waves of {args.wave} at once (after a warm-up wave), prompts of "
-          f"{shortest}-{longest} ids, {NEW_TOKENS} new tokens each; {' first, then '.join(NAMES[n] for n in order)}; {os.cpu_count()} CPUs")
-    print(f"  model: {args.layers} layers, {args.kv_heads} KV heads of {model.HEAD_DIM}, float32: {kv_per_token // 1024} KiB of KV "
-          f"per token, {mean_kv / 2**20:.1f} MiB per request on average")
+          f"{work.shortest}-{work.longest} ids, {NEW_TOKENS} new tokens each; {' first, then '.join(NAMES[n] for n in order)}; {os.cpu_count()} CPUs")
+    print(f"  model: {args.layers} layers, {args.kv_heads} KV heads of {model.HEAD_DIM}, float32: {work.kv_per_token // 1024} KiB of KV "
+          f"per token, {work.mean_kv / 2**20:.1f} MiB per request on average")
     print(f"  pdxfer's decode daemon received {received / 2**20:.1f} MiB (warm-up included)")
     print("  hand-off: from the prefill's answer to the decode's first streamed token")
-    print(f"  {'':22}{'requests/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
-    for name, f in rows.items():
-        print(f"  {name:22}{f['rps']:12.2f}{f['p50']:10.1f}{f['p99']:10.1f}   ({f['requests']} requests)")
+    bench_workload.print_figures({NAMES[name]: figures(runs[name]) for name in PAIRS}, "pdxfer/Mooncake",
+                                 lambda f: f"{f['requests']} requests")
     if args.verbose:
         for name in PAIRS:
             waves_ms = ["[" + " ".join(f"{1000 * h:.0f}" for h in wave) + "]" for wave in runs[name].handoffs[1:]]
             print(f"  {NAMES[name]} hand-offs ms, per wave in sending order: {' '.join(waves_ms)}")
-    m, p = rows["MooncakeConnector"], rows["pdxfer"]
-    print(f"  {'pdxfer/Mooncake':22}{p['rps'] / m['rps']:11.2f}x{p['p50'] / m['p50']:9.2f}x{p['p99'] / m['p99']:9.2f}x")
     same = runs["mooncake"].tokens == runs["pdxfer"].tokens
     print(f"  decode tokens: {'the same through both connectors' if same else 'DIFFER between the connectors: the figures are void'}"
           f" ({len(counted) + len(prompts[0])} requests)")
