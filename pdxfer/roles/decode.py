@@ -80,7 +80,7 @@ from .base import RoomService
 from .decode_requests import RoomRequests
 from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink
 from .decode_verify import RoomVerification
-from .pools import Lane, compat
+from .pools import Lane
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
@@ -190,7 +190,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
     def _lane_info(lane: Lane) -> LaneInfo:
         kv, aux = lane.kv, lane.aux
         return LaneInfo(
-            index=lane.index, rank=lane.rank, compat=compat(kv, aux), heads_local=kv.spec.heads.local,
+            index=lane.index, rank=lane.rank, compat=lane.compat(), heads_local=kv.spec.heads.local,
             layers=kv.spec.layers, region_bases=kv.bases, num_pages=kv.num_pages, aux_base=aux.memory.address,
             aux_slots=aux.num_slots, memory_version=kv.version,
         )

@@ -4,7 +4,7 @@ daemon, with the region arithmetic and slot allocator that go with them."""
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -136,6 +136,7 @@ class Lane:
     sizes: Rank
     kv: MappedKV | None = None
     aux: MappedAux | None = None
+    _compat: tuple = field(default=(None, None, None), repr=False)  # (kv, aux, their Compat): checked for every leg
 
     def __post_init__(self) -> None:
         self.code = rank_code(self.rank.pp, self.rank.tp)
@@ -159,6 +160,10 @@ class Lane:
             raise errors.NotRegistered(f"{self.name} has not registered its aux buffer")
         return self.aux
 
-
-def compat(kv: MappedKV, aux: MappedAux) -> Compat:
-    return compat_of(kv.spec, kv.regions, aux.slot_bytes)
+    def compat(self) -> Compat:
+        """What a peer's rank must agree with to move KV to or from this one, made once
+        per registration (a new registration replaces kv or aux)."""
+        kv, aux = self.registered_kv(), self.registered_aux()
+        if self._compat[0] is not kv or self._compat[1] is not aux:
+            self._compat = (kv, aux, compat_of(kv.spec, kv.regions, aux.slot_bytes))
+        return self._compat[2]

@@ -21,7 +21,7 @@ from ..core.rooms import Event, Room
 from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import room_of
 from ..transport import Job
-from .pools import Lane, compat
+from .pools import Lane
 from .prefill_state import DecodePeer, PrefillWork
 
 
@@ -89,7 +89,7 @@ class RoomWrites:
         if req.carries_aux and req.slot >= lane.aux_slots:
             raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
         kv = local.registered_kv()
-        ours, theirs = compat(kv, local.registered_aux()), lane.compat
+        ours, theirs = local.compat(), lane.compat
         if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
             ours, theirs = _without_regions(ours), _without_regions(theirs)
         diff = compat_diff(ours, theirs)
