@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import BadMessage, InsufficientCapacity, PageOutOfRange, StaleMemoryVersion, Unsupported
 from .protocol import PROTOCOL_VERSION, Compat, Heads, KVLayout, KVRegion, KVSpec, Layout, PageOrder, RegionKind
+from .staging import StagedLayout, slice_bytes
 
 PAGE_DTYPE = np.dtype("<i4")
 SMALL = 16  # page lists up to this long take plain-Python paths: numpy's per-call cost dominates there
@@ -450,3 +451,41 @@ def plan_leg_blocks(
     dst_at = starts(dst, dst_base, dst_pages[: src_pages.size], dst_heads, dst_head_start)
     length = np.broadcast_to(np.uint64(head_count) * head_stride, (len(pairs), src_pages.size, t.size)).ravel()
     return Blocks.of(src_at, dst_at, length)
+
+
+def staged_layout(src_regions: Sequence[KVRegion], dst_regions: Sequence[KVRegion], dst_heads: int, head_count: int,
+                  layers: tuple[int, int], positions: int) -> StagedLayout:
+    """Where a staged leg (core/staging.py) of ``positions`` page positions lies in its
+    extent: a slice of ``head_count`` of the decode rank's ``dst_heads`` heads per page
+    of each region pair of ``layers``."""
+    pairs = leg_region_pairs(src_regions, dst_regions, layers)
+    return StagedLayout(slice_bytes([dst_regions[j].page_bytes for _, j in pairs], dst_heads, head_count), positions)
+
+
+def plan_staged_blocks(
+    src_regions: Sequence[KVRegion],
+    src_bases: Sequence[int],
+    src_heads: int,
+    dst_regions: Sequence[KVRegion],
+    dst_heads: int,
+    page_size: int,
+    page_order: PageOrder,
+    src_head_start: int,
+    head_count: int,
+    layers: tuple[int, int],
+    src_pages: np.ndarray,
+    positions: np.ndarray,
+    staged_at: int,
+    layout: StagedLayout,
+) -> Blocks:
+    """plan_leg_blocks into a staging extent at ``staged_at`` instead of the decode's
+    pages: position p of region pair k goes to ``staged_at + layout.offsets[k] + p *
+    slice``, a page of ``head_count`` heads, so source runs of whole pages stay runs."""
+    if positions.size and int(positions.max()) >= layout.positions:
+        raise BadMessage(f"position {int(positions.max())} is outside the staged leg's {layout.positions}")
+    pairs = leg_region_pairs(src_regions, dst_regions, layers)
+    staged = tuple(KVRegion(buffer=0, offset=0, page_bytes=size, num_pages=layout.positions, layer=dst_regions[j].layer, kind=dst_regions[j].kind)
+                   for (_, j), size in zip(pairs, layout.slice_bytes))
+    bases = tuple(staged_at + offset for offset in layout.offsets)
+    return plan_leg_blocks(src_regions, src_bases, src_heads, staged, bases, head_count, page_size, page_order,
+                           src_head_start, head_count, 0, layers, src_pages, positions)

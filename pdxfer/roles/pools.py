@@ -10,8 +10,9 @@ import numpy as np
 
 from ..core.errors import Unsupported
 from ..core import errors
-from ..core.plan import canonical, compat_of, region_addresses
-from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, Rank
+from ..core.plan import canonical, compat_of, leg_region_pairs, region_addresses
+from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, PageOrder, Rank
+from ..core.staging import StagedLayout, StagingArena
 from ..core.topology import rank_code
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
@@ -67,6 +68,23 @@ class MappedKV:
         views = [memoryview(mapping.array) for mapping in self.buffers]
         return [(views[r.buffer], r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
 
+    def scatter_heads(self, staged: np.ndarray, layout: StagedLayout, layers: tuple[int, int], head_start: int,
+                      head_count: int, pages: np.ndarray) -> None:
+        """Copy a staged leg (core/staging.py) into heads [head_start, +head_count) of
+        ``pages`` (position i into pages[i]) in the regions of ``layers``."""
+        heads, tokens = self.spec.heads.local, self.spec.page_size
+        token_major = self.spec.page_order is PageOrder.TOKEN_MAJOR
+        views = self._region_pages("staging")
+        pairs = leg_region_pairs(self.regions, self.regions, layers)
+        for (j, _), at, size in zip(pairs, layout.offsets, layout.slice_bytes):
+            src = staged[at : at + pages.size * size]
+            if token_major:  # [token][head][unit]
+                views[j].reshape(self.num_pages, tokens, heads, -1)[pages, :, head_start : head_start + head_count, :] = \
+                    src.reshape(pages.size, tokens, head_count, -1)
+            else:  # [head][token x unit]
+                views[j].reshape(self.num_pages, heads, -1)[pages, head_start : head_start + head_count, :] = \
+                    src.reshape(pages.size, head_count, -1)
+
     def gather(self, pages: np.ndarray) -> bytes:
         """The given pages' bytes, region by region in canonical order (a room's inline KV)."""
         return b"".join([buffer[at : at + size] for buffer, at, size in self._page_spans(pages)])
@@ -77,6 +95,24 @@ class MappedKV:
         for buffer, at, size in self._page_spans(pages):
             buffer[at : at + size] = source[taken : taken + size]
             taken += size
+
+
+@dataclass(eq=False)
+class Staging:
+    """The decode daemon's staging buffer (core/staging.py): shared memory registered with
+    its transfer engines, and the extents taken in it."""
+
+    memory: object  # memory.SharedMemory
+
+    def __post_init__(self) -> None:
+        self.arena = StagingArena(self.memory.size)
+
+    @property
+    def base(self) -> int:
+        return self.memory.address
+
+    def extent(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.memory.array[offset : offset + nbytes]
 
 
 @dataclass(eq=False)
