@@ -170,7 +170,7 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
     registered = []
 
     class Transport:  # what the daemon's port registers the pool with
-        def register(self, address: int, length: int) -> None:
+        def register(self, address: int, length: int, populate: bool = True) -> None:
             registered.append(length)
 
     cfg = config.Config(role=Role.PREFILL, runtime_dir=runtime_dir)

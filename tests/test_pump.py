@@ -68,7 +68,7 @@ class FakeTransport:
     def start(self) -> Peer:
         return ("fake:0",)
 
-    def register(self, address: int, length: int) -> None:
+    def register(self, address: int, length: int, populate: bool = True) -> None:
         pass
 
     def unregister(self, address: int) -> None:

@@ -301,15 +301,17 @@ def aux_payload(room: int, stage: int) -> bytes:
     return np.random.default_rng(room * 10 + stage).integers(0, 256, PAYLOAD, dtype=np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("case,layout", [
-    ("tp2-tp1", "sglang"), ("tp2-tp1", "vllm"), ("tp1-tp2", "sglang"), ("tp1-tp2", "vllm"), ("tp4-tp2-gqa", "sglang"), ("mla-tp4-tp2", "sglang"),
-    ("pp2-pp1", "vllm"), ("tp2-tp2", "sglang"),
+@pytest.mark.parametrize("case,layout,staging", [
+    ("tp2-tp1", "sglang", True), ("tp2-tp1", "vllm", True), ("tp2-tp1", "vllm", False), ("tp1-tp2", "sglang", True), ("tp1-tp2", "vllm", True),
+    ("tp4-tp2-gqa", "sglang", True), ("mla-tp4-tp2", "sglang", True), ("pp2-pp1", "vllm", True), ("tp2-tp2", "sglang", True),
 ])
-def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):
+def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout, staging):
+    """``staging`` false: a decode daemon without a staging buffer (--staging-mib 0), so
+    legs from ranks holding fewer heads write their slice of each page directly."""
     topo = CASES[case]
     build = LAYOUTS[layout]
     prefill_daemon = daemons("prefill")
-    decode_daemon = daemons("decode", "--expect-batch-ms", "10000")
+    decode_daemon = daemons("decode", "--expect-batch-ms", "10000", *(() if staging else ("--staging-mib", "0")))
     kinds, unit = ((LATENT,), LATENT_DIM) if topo.mla else (((K, V), HEAD_DIM) if layout == "sglang" else ((KV,), 2 * HEAD_DIM))
     rng = np.random.default_rng(27)
     model = model_for(topo, kinds, unit, rng)
@@ -374,6 +376,9 @@ def test_a_room_moves_between_rank_sets_as_legs(daemons, case, layout):
         assert decode_counters["bytes_received"] - received_before == topo.decode_tp * (pages * page_bytes + len(ROOMS) * (HEADER_BYTES + PAYLOAD))
         # ... and that is what the transfer engine moved (aux records travel on the bootstrap channel here).
         assert prefill_counters["bytes_moved"] - moved_before == topo.decode_tp * pages * page_bytes
+        # A leg from a prefill rank holding fewer heads than its decode rank landed through the staging buffer.
+        staged_legs = len(ROOMS) * topo.decode_tp * (h_d // h_p) if staging and not topo.mla and h_p < h_d else 0
+        assert decode_counters["legs_staged"] == staged_legs
     finally:
         for kv in ranks:
             kv.close()

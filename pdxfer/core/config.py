@@ -133,6 +133,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
              "instead of as transfer-engine writes, when both pools are host memory and aux travels over tcp; decode: "
              "the most it accepts (0: never)", ge=0, le=MAX_INLINE_KV_BYTES),
     ] = INLINE_KV_BYTES
+    staging_mib: Annotated[
+        int,
+        _doc("decode: MiB of shared memory in which a leg from a prefill rank holding fewer KV heads lands before this "
+             "daemon copies it into the pages, so runs of whole source pages stay one write each (head-major pages "
+             "otherwise take a write per page and region); host-memory pools only. A leg finding no room writes into "
+             "the pages. 0: none", ge=0, le=64 * 1024),
+    ] = 64
     verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
     visibility_grace: Annotated[
         float, _doc("seconds the decode side re-checks an aux stamp or KV digest that does not match yet, before failing the room", ge=0)

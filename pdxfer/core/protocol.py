@@ -513,6 +513,10 @@ class PeerHello(Message, tag="peer_hello"):
     # its writes over them (empty: ``session`` alone; a prefill that ignores them writes
     # through ``session``, which accepts writes to all of this daemon's memory too).
     sessions: Sessions = ()
+    # The decode daemon's staging buffer (core/staging.py), which a LegRequest's staged_at
+    # points into; size 0: it stages nothing.
+    staging_base: Address = 0
+    staging_bytes: Count = 0
 
 
 class PeerWelcome(Message, tag="peer_welcome"):
@@ -520,6 +524,7 @@ class PeerWelcome(Message, tag="peer_welcome"):
     incarnation: str
     session: str
     clock: float  # the prefill's monotonic clock when it answered: the decode side bounds the two clocks' offset from it
+    stages: bool = False  # it writes a LegRequest with staged_at where that says (a prefill from before ignores it)
 
 
 class PeerRefused(Message, tag="peer_refused"):
@@ -547,6 +552,10 @@ class LegRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     dst_head_start: Count = 0
     layers: tuple[Count, Count] = (0, 0)
     fan_out: Positive = 1  # decode ranks this leg's prefill rank writes to (decode TP / prefill TP, at least 1)
+    # Nonzero: write the leg into the decode daemon's staging buffer at this address instead
+    # of the pages (core/staging.py): region pair by pair, position by position, a slice of
+    # head_count heads each; the decode daemon copies them into the pages once it landed.
+    staged_at: Address = 0
 
     @property
     def carries_aux(self) -> bool:

@@ -31,6 +31,7 @@ from ..core.protocol import (
 from ..core.rooms import Room
 from ..core.slots import SlotState
 from ..core.topology import room_key, room_of
+from ..roles.decode import DecodeService
 
 
 def room_info(room: Room, now: float, history: bool = False) -> RoomInfo:
@@ -115,6 +116,8 @@ def info(daemon, req: int = 0) -> InfoReply:
         "lanes": float(len(service.lanes)),
         **{f"peer_messages_in:{kind}": float(n) for kind, n in service.peer_messages.items()},
     }
+    if isinstance(service, DecodeService):
+        counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full))
     waiting = not_ready(daemon)
     return InfoReply(
         req=req, role=cfg.role, name=cfg.instance, incarnation=daemon.incarnation, version=PROTOCOL_VERSION,

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ..core.protocol import RoomState
 from ..core.rooms import Room
+from ..roles.decode import DecodeService
 
 # Seconds, from a loopback room (~1 ms) to a room stuck until its timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -132,6 +133,9 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_blocks_submitted", "Blocks handed to the transfer engine", value=pump.blocks_submitted)
         yield CounterMetricFamily("pdxfer_kv_inline_rooms", "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)", value=service.kv_inline_rooms)
         yield CounterMetricFamily("pdxfer_kv_inline_bytes", "KV bytes sent inside aux records (prefill side)", value=service.kv_inline_bytes)
+        if isinstance(service, DecodeService):
+            yield CounterMetricFamily("pdxfer_legs_staged", "Legs between ranks of different TP received through the staging buffer (decode side)", value=service.staged_legs)
+            yield CounterMetricFamily("pdxfer_staging_full", "Legs that would have been staged but found the staging buffer full, so wrote into their pages (decode side)", value=service.staging_full)
         yield CounterMetricFamily("pdxfer_engine_messages", "Messages received from engines (a poll() answered from pushed statuses sends none)", value=service.engine_messages)
         peer_messages = CounterMetricFamily("pdxfer_peer_messages_received", "Messages received from peer daemons, by kind (one room_request per room per node pair: A5)", labels=["kind"])
         for kind, n in service.peer_messages.items():

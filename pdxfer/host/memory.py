@@ -74,11 +74,11 @@ def place_mappings_apart() -> None:
 class _FixedMapping:
     """Shared memory mapped at an address of ours (mmap.mmap cannot be told one)."""
 
-    def __init__(self, fd: int, size: int, placement: AddressRange) -> None:
+    def __init__(self, fd: int, size: int, placement: AddressRange, flags: int = _MAP_FLAGS) -> None:
         self.size, self.placement = size, placement
         for _ in range(8):  # an address taken after all (something else mapped there) is skipped
             address = placement.take(size)
-            got = libc().mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS | MAP_FIXED_NOREPLACE, fd, 0)
+            got = libc().mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | MAP_FIXED_NOREPLACE, fd, 0)
             if got == address:
                 self.address, self.closed = address, False
                 return
@@ -114,10 +114,11 @@ def libc():
     return libc
 
 
-def _map(fd: int, size: int):
+def _map(fd: int, size: int, populate: bool = True):
+    flags = _MAP_FLAGS if populate else _MAP_FLAGS & ~getattr(mmap, "MAP_POPULATE", 0)
     if _placement is not None:
-        return _FixedMapping(fd, size, _placement)
-    return mmap.mmap(fd, size, flags=_MAP_FLAGS)
+        return _FixedMapping(fd, size, _placement, flags)
+    return mmap.mmap(fd, size, flags=flags)
 
 
 class SharedMemory:
@@ -133,10 +134,11 @@ class SharedMemory:
         self.address = int(self.array.ctypes.data)
 
     @classmethod
-    def create(cls, size: int, prefix: str = "pdxfer") -> "SharedMemory":
+    def create(cls, size: int, prefix: str = "pdxfer", populate: bool = True) -> "SharedMemory":
+        """``populate`` false: pages come in as they are first used (a buffer that may stay mostly idle)."""
         name, fd = new_file(size, prefix)
         try:
-            mapping = _map(fd, size)
+            mapping = _map(fd, size, populate)
             identity = _identity(os.fstat(fd))
         finally:
             os.close(fd)

@@ -78,9 +78,9 @@ from ..core.topology import decode_rank_of, key_label, room_key, room_of
 from ..transport import Peer, primary
 from .base import RoomService
 from .decode_requests import RoomRequests
-from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink
+from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink, StagedExtent
 from .decode_verify import RoomVerification
-from .pools import Lane
+from .pools import Lane, Staging
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
@@ -101,7 +101,8 @@ def bootstrap_endpoint(address: str) -> str:
 class DecodeService(RoomRequests, RoomVerification, RoomService):
     role = Role.DECODE
 
-    def __init__(self, config: Config, incarnation: str, port: DecodePort, *, sessions: Peer, probe_base: int, engine_release: str) -> None:
+    def __init__(self, config: Config, incarnation: str, port: DecodePort, *, sessions: Peer, probe_base: int, engine_release: str,
+                 staging: Staging | None = None) -> None:
         super().__init__(config, incarnation, port, sessions=sessions, bootstrap_address="")
         self.port: DecodePort = port
         self.links: dict[str, PrefillLink] = {}
@@ -111,6 +112,10 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         self.probe_base = probe_base  # 64 scratch bytes of ours a prefill may write to test its session
         self.engine_release = engine_release  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
         self.cuts = 0  # operator cuts of this daemon's transfer sessions
+        self.staging = staging  # where legs between ranks of different TP land first (core/staging.py); None: nowhere
+        self.staged: dict[tuple[int, int], StagedExtent] = {}  # (room key, leg code): its extent, until fenced
+        self.staged_legs = 0  # legs given an extent
+        self.staging_full = 0  # legs that would have gained from one, written into their pages since none was free
 
     # --- engine side
 
@@ -137,9 +142,10 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         except PdxferError:
             self.rooms.remove(room.id)
             raise
-        # A dummy leg writes nothing here: landed and fenced from the start.
-        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real) for leg in legs}
         link = self._link(endpoint)
+        # A dummy leg writes nothing here: landed and fenced from the start.
+        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real, stage_bytes=self._stage_bytes(lane, msg, leg, dst.size))
+                  for leg in legs}
         self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch)
         link.rooms.add(room.id)
         self._gather(link, msg.room, lane, legs)
@@ -184,6 +190,8 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             verify_kv=self.config.verify_kv,
             inline_kv_bytes=min((paths.inline_kv_limit(lane.kv.kind, self.config.inline_kv_bytes) for lane in self.lanes if lane.ready), default=0),
             engine_release=self.engine_release,
+            staging_base=self.staging.base if self.staging else 0,
+            staging_bytes=self.staging.arena.size if self.staging else 0,
         )
 
     @staticmethod
@@ -244,7 +252,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
                     link.skew = msg.wall - (link.beat_wall + link.rtt / 2)
             return
         if isinstance(msg, PeerWelcome):
-            link.ready, link.incarnation, link.session = True, msg.incarnation, msg.session
+            link.ready, link.incarnation, link.session, link.stages = True, msg.incarnation, msg.session, msg.stages
             link.clock_sample(msg.clock, self.clock())
             log.info("prefill daemon %s (incarnation %s) accepted this daemon", link.endpoint, msg.incarnation, extra={"peer": link.endpoint})
             for request in link.held.values():
@@ -275,6 +283,8 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             w = self.work[room.id]
             leg = w.legs[msg.leg]
             leg.peer_fenced, leg.peer_failed = msg.fenced, True
+            if msg.fenced:
+                self._unstage(room.id, msg.leg)
             if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and w.peer_fenced:
                 self.fenced(room)
         else:
@@ -284,6 +294,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         """A prefill rank has nothing in flight for a failed room no longer in the table
         (its engine released it): once every rank of it said so, its quarantined slot may go."""
         key = room_key(room_id, decode_rank_of(leg))
+        self._unstage(key, leg)
         held = link.unfenced.get(key)
         if held is None:
             return
@@ -341,8 +352,9 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         log.error("prefill daemon %s refused this daemon [%s]: %s", link.endpoint, msg.code.value, msg.reason, extra={"peer": link.endpoint})
         for room_id in list(link.rooms):
             if room_id in self.work:
-                for leg in self.work[room_id].legs.values():
+                for code, leg in self.work[room_id].legs.items():
                     leg.peer_fenced = True  # it refused us: it never wrote
+                    self._unstage(room_id, code)
         self._fail_link(link, msg.code, f"prefill {link.endpoint} refused: {msg.reason}")
         self.links.pop(link.endpoint, None)
         self.port.close_link(link.endpoint)
@@ -454,6 +466,9 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         released, are fenced."""
         for room in self._link_rooms(link, before):
             self.fenced(room)
+        for key, extent in list(self.staged.items()):
+            if extent.link == link.endpoint and (before is None or extent.epoch < before):
+                self._unstage(*key)
         for lane, slot, generation, _ in link.unfenced.values():
             self._fence_released(lane, slot, generation)
         link.unfenced.clear()
@@ -557,6 +572,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
                 leg = w.legs.get(request.leg) if request.lane == room.lane else None
                 if leg is not None:
                     leg.peer_failed = leg.peer_fenced = True
+                    self._unstage(room.id, request.leg)
 
     def rooms_of_message(self, msg: Message) -> list[Room]:
         if isinstance(msg, RoomRequest):

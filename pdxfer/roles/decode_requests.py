@@ -9,10 +9,17 @@ import msgspec
 
 from ..core import errors
 from ..core.errors import PdxferError
-from ..core.protocol import Expect, LegRequest, RoomRequest
-from ..core.topology import leg_code, legs_for_decode_rank, local_heads, room_key
-from .decode_state import PendingRequest, PrefillLink
+from ..core.plan import staged_layout
+from ..core.protocol import Expect, KVSpec, LegRequest, RoomRequest
+from ..core.staging import worth_staging
+from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key
+from .decode_state import PendingRequest, PrefillLink, StagedExtent
 from .pools import Lane
+
+
+def _prefill_heads(spec: KVSpec, msg: Expect) -> int:
+    """KV heads each rank of the prefill engine holds."""
+    return spec.heads.total if spec.mla else local_heads(spec.heads.total, msg.prefill_sizes.tp or 1)
 
 
 class RoomRequests:
@@ -34,7 +41,7 @@ class RoomRequests:
                                         lane.sizes.pp, num_layers=spec.num_layers_total, decode_stage=lane.rank.pp)
         except PdxferError as exc:
             raise PdxferError(exc.message, code=exc.code, room=msg.room) from None
-        prefill_heads = spec.heads.total if spec.mla else local_heads(spec.heads.total, prefill_tp)
+        prefill_heads = _prefill_heads(spec, msg)
         fan_out = max(1, lane.sizes.tp // prefill_tp)  # how many decode ranks each prefill rank writes to
         out = []
         for leg in legs:
@@ -49,6 +56,41 @@ class RoomRequests:
                 layers=(0, 0) if whole_layers else (leg.layer_start, leg.layer_end), fan_out=fan_out,
             ))
         return out
+
+    def _stage_bytes(self, lane: Lane, msg: Expect, leg: LegRequest, positions: int) -> int:
+        """The extent of the staging buffer a leg gains from (core/staging.py), in bytes; 0: none."""
+        kv = lane.registered_kv()
+        if self.staging is None or not leg.real or not worth_staging(leg.head_count, _prefill_heads(kv.spec, msg), kv.spec.heads.local, kv.kind == "shm"):
+            return 0
+        layers = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        return staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, positions).nbytes
+
+    def _staged(self, link: PrefillLink, request: RoomRequest) -> RoomRequest:
+        """A request as it leaves: its legs that gain from staging get an extent of the
+        staging buffer where one is free and the prefill writes staged legs (its welcome
+        said so); the others write into the pages."""
+        if not link.stages:
+            return request
+        legs = []
+        for leg in request.legs:
+            key = room_key(request.room, decode_rank_of(leg.leg))
+            state = self.work[key].legs[leg.leg] if key in self.work else None
+            if state is not None and state.stage_bytes:
+                offset = self.staging.arena.take(state.stage_bytes)
+                if offset is None:
+                    self.staging_full += 1
+                else:
+                    self.staged[(key, leg.leg)] = StagedExtent(offset, link.endpoint, link.epoch)
+                    self.staged_legs += 1
+                    leg = state.request = msgspec.structs.replace(leg, staged_at=self.staging.base + offset)
+            legs.append(leg)
+        return msgspec.structs.replace(request, legs=tuple(legs))
+
+    def _unstage(self, room_id: int, leg: int) -> None:
+        """Nothing of the leg can land any more: its staging extent, if it has one, is free."""
+        extent = self.staged.pop((room_id, leg), None)
+        if extent is not None:
+            self.staging.arena.give(extent.offset)
 
     def _gather(self, link: PrefillLink, room_id: int, lane: Lane, legs: list[LegRequest]) -> None:
         """A5: one request per room per prefill daemon, with the legs of every local rank
@@ -80,7 +122,7 @@ class RoomRequests:
             writes_until=link.writes_until(self.clock(), self._leave_span),
         )
         if link.offsets:
-            self.port.send_link(link.endpoint, request)
+            self.port.send_link(link.endpoint, self._staged(link, request))
         elif room_id in link.held:  # a later rank's legs join those already waiting for the welcome
             held = link.held[room_id]
             link.held[room_id] = msgspec.structs.replace(held, legs=held.legs + request.legs)
@@ -90,4 +132,4 @@ class RoomRequests:
     def _send_request(self, link: PrefillLink, request: RoomRequest) -> None:
         """A request held until the link knew the prefill's clock, with its leave to write from now."""
         leave = link.writes_until(self.clock(), self._leave_span)
-        self.port.send_link(link.endpoint, msgspec.structs.replace(request, writes_until=leave))
+        self.port.send_link(link.endpoint, self._staged(link, msgspec.structs.replace(request, writes_until=leave)))

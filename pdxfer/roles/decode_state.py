@@ -33,6 +33,7 @@ class PrefillLink:
     rtt: float = -1.0  # seconds, from the last answered heartbeat
     skew: float = 0.0  # the prefill's wall clock minus ours
     connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
+    stages: bool = False  # its welcome said it writes staged legs (LegRequest.staged_at)
     # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
     # each was read there before the answer left and here after it arrived.
     offsets: collections.deque = field(default_factory=lambda: collections.deque(maxlen=OFFSET_SAMPLES))
@@ -60,6 +61,7 @@ class LegState:
     peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
     peer_failed: bool = False  # the failure came from that prefill rank: it knows
     first_check: float = 0.0  # first verification attempt of what landed
+    stage_bytes: int = 0  # the staging extent it gains from (core/staging.py), taken when its request leaves; 0: none
 
     @property
     def whole(self) -> bool:
@@ -81,6 +83,16 @@ class DecodeWork:
     def peer_fenced(self) -> bool:
         """No prefill rank of the room has a write in flight for it."""
         return all(leg.peer_fenced for leg in self.legs.values())
+
+
+@dataclass(frozen=True)
+class StagedExtent:
+    """A staged leg's extent of the staging buffer (core/staging.py), held until proof
+    that nothing of the leg can land any more, however long its room lives."""
+
+    offset: int
+    link: str  # the prefill's endpoint
+    epoch: int  # its link's epoch when the room was asked for
 
 
 @dataclass(eq=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..core import errors, paths
 from ..core.errors import PdxferError
+from ..core.plan import staged_layout
 from ..core.protocol import AuxRecord, ErrorCode, LegRequest, LegWritten, RoomAck
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
@@ -24,6 +25,7 @@ class RoomVerification:
         leg = w.legs[msg.leg]
         leg.peer_fenced = True  # the prefill sends these only after its writes completed
         if room.finished:
+            self._unstage(room.id, msg.leg)
             return
         if isinstance(msg, AuxRecord) != leg.request.carries_aux:
             what = "an aux record" if isinstance(msg, AuxRecord) else "no aux record"
@@ -65,9 +67,19 @@ class RoomVerification:
         visible yet (asynchronous paths), so a mismatch is re-checked until
         visibility_grace has passed; never Success before."""
         if room.finished or self.rooms.find(room.id) is not room:
+            self._unstage(room.id, msg.leg)
             return
         w = self.work[room.id]
         leg = w.legs[msg.leg]
+        if (room.id, msg.leg) in self.staged:  # once: its record says every write completed
+            try:
+                self._check_written_pages(room, w, msg)
+                self._land_staged(room, w, leg.request, msg.kv_pages)
+            except PdxferError as exc:
+                self.fail(room, exc.code, exc.message)
+                return
+            finally:
+                self._unstage(room.id, msg.leg)
         try:
             if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
                 aux = self._aux(room)
@@ -97,6 +109,14 @@ class RoomVerification:
             for code, other in w.legs.items():
                 if other.request.real:
                     self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
+
+    def _land_staged(self, room: Room, w: DecodeWork, leg: LegRequest, count: int) -> None:
+        """Copy a staged leg's first ``count`` positions from its extent into the room's pages."""
+        kv = self._kv(room)
+        layers = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        layout = staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, w.pages.size)
+        extent = self.staging.extent(self.staged[(room.id, leg.leg)].offset, layout.nbytes)
+        kv.scatter_heads(extent, layout, layers, leg.dst_head_start, leg.head_count, w.pages[:count])
 
     def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
         """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""

@@ -313,7 +313,7 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             moved = {lane.index: lane.memory_version for lane in old.lanes} != {lane.index: lane.memory_version for lane in hello.lanes}
             if moved:
                 self._peer_relocated(peer, old)
-        self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock()))
+        self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock(), stages=True))
 
     def _page_size_refusal(self, hello: PeerHello) -> str:
         """A9: pages are moved whole, so a decode rank whose page size no rank here has

@@ -15,9 +15,10 @@ import numpy as np
 
 from ..core import errors, paths
 from ..core.errors import PdxferError
-from ..core.plan import Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks, plan_leg_blocks
+from ..core.plan import Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks, plan_leg_blocks, plan_staged_blocks, staged_layout
 from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
 from ..core.rooms import Event, Room
+from ..core.staging import StagedLayout
 from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import room_of
 from ..transport import Job
@@ -27,6 +28,16 @@ from .prefill_state import DecodePeer, PrefillWork
 
 def _without_regions(compat: Compat) -> Compat:
     return msgspec.structs.replace(compat, regions=())
+
+
+def _regions_of(lane: LaneInfo) -> tuple[KVRegion, ...]:
+    """A decode rank's regions as its hello describes them (the planner needs no buffer or offset of theirs)."""
+    return tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
+                 for layer, kind, page_bytes in lane.compat.regions)
+
+
+def _layers(req: LegRequest, kv) -> tuple[int, int]:
+    return req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
 
 
 def _whole(leg: LegRequest) -> bool:
@@ -88,6 +99,8 @@ class RoomWrites:
         check_pages(dst_pages, lane.num_pages, "destination", room_id)
         if req.carries_aux and req.slot >= lane.aux_slots:
             raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
+        if req.staged_at:
+            self._check_staged(local, req, lane, dst_pages.size, peer, room_id)
         kv = local.registered_kv()
         ours, theirs = local.compat(), lane.compat
         if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
@@ -105,6 +118,22 @@ class RoomWrites:
         if diff:
             raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
         return lane
+
+    @staticmethod
+    def _staged_layout(local: Lane, req: LegRequest, lane: LaneInfo, positions: int) -> StagedLayout:
+        kv = local.registered_kv()
+        return staged_layout(kv.regions, _regions_of(lane), lane.heads_local, req.head_count, _layers(req, kv), positions)
+
+    def _check_staged(self, local: Lane, req: LegRequest, lane: LaneInfo, positions: int, peer: DecodePeer, room_id: int) -> None:
+        """A staged leg's extent lies inside the decode daemon's staging buffer (C2)."""
+        hello = peer.hello
+        if not req.head_count:
+            raise errors.BadMessage("the decode daemon asked for whole pages to be staged", room=room_id, side=errors.Side.PEER)
+        nbytes = self._staged_layout(local, req, lane, positions).nbytes
+        if req.staged_at < hello.staging_base or req.staged_at + nbytes > hello.staging_base + hello.staging_bytes:
+            raise errors.PageOutOfRange(
+                f"staged leg [{req.staged_at:#x}, +{nbytes}) is outside the decode daemon's staging buffer "
+                f"[{hello.staging_base:#x}, +{hello.staging_bytes})", room=room_id)
 
     def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
         """A room handed over in one chunk whose KV is small enough to ride its aux record:
@@ -141,7 +170,8 @@ class RoomWrites:
             if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
                 self._check_end(room, w)
             ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
-            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, w.dst_pages, room_of(room.id)) for chunk in ready]
+            targets = np.arange(w.dst_pages.size) if req.staged_at else w.dst_pages  # a staged leg's are positions
+            planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, targets, room_of(room.id)) for chunk in ready]
             blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
@@ -164,14 +194,17 @@ class RoomWrites:
         self._aux_when_written(room, w)
 
     def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
-        """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8)."""
+        """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8),
+        into the decode's pages or, staged, into its staging buffer (``dst`` are then positions)."""
         kv, req = self._kv(room), w.request
         lane = peer.lanes[req.lane]
         if _whole(req):
             return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst)
-        theirs = tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
-                       for layer, kind, page_bytes in lane.compat.regions)
-        layers = req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        theirs, layers = _regions_of(lane), _layers(req, kv)
+        if req.staged_at:
+            layout = self._staged_layout(self.lane_of(room), req, lane, w.dst_pages.size)
+            return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
+                                      kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at, layout)
         heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
         return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
                                kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst)

@@ -51,8 +51,9 @@ class Transport(Protocol):
     def start(self) -> Peer:
         """Initialise; return the session ids peers address this transport by, one per engine."""
 
-    def register(self, address: int, length: int) -> None:
-        """Make [address, address+length) a valid source or destination."""
+    def register(self, address: int, length: int, populate: bool = True) -> None:
+        """Make [address, address+length) a valid source or destination. ``populate``
+        false: where the transport maps it (another process), pages come in as used."""
 
     def unregister(self, address: int) -> None: ...
 

@@ -106,8 +106,8 @@ class FaultInjectingTransport:
         log.warning("TESTING ONLY: injecting transport faults %s", self.spec)
         return sessions
 
-    def register(self, address: int, length: int) -> None:
-        self.inner.register(address, length)
+    def register(self, address: int, length: int, populate: bool = True) -> None:
+        self.inner.register(address, length, populate)
 
     def unregister(self, address: int) -> None:
         self.inner.unregister(address)

@@ -56,6 +56,7 @@ class Region(msgspec.Struct, array_like=True, frozen=True):
     address: int
     length: int
     offset: int
+    populate: bool = True  # map it with MAP_POPULATE (false: a buffer that fills as used, like the staging one)
 
 
 class Start(msgspec.Struct, tag=True, array_like=True):
@@ -133,7 +134,7 @@ class Mappings:
     def map(self, region: Region, fd: int) -> None:
         start, length = page_span(region.address, region.length)
         offset = region.offset - (region.address - start)
-        flags = mmap.MAP_SHARED | memory.MAP_FIXED_NOREPLACE | mmap.MAP_POPULATE
+        flags = mmap.MAP_SHARED | memory.MAP_FIXED_NOREPLACE | (mmap.MAP_POPULATE if region.populate else 0)
         got = self._libc.mmap(start, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
         if got == memory.MAP_FAILED:
             err = ctypes.get_errno()

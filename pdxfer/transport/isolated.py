@@ -246,9 +246,9 @@ class IsolatedTransport:
             raise EngineProcessLost(str(exc)) from None
         return waiter.result(timeout)
 
-    def register(self, address: int, length: int) -> None:
+    def register(self, address: int, length: int, populate: bool = True) -> None:
         fd, offset = _backing(address, length)
-        region = Region(address, length, offset)
+        region = Region(address, length, offset, populate)
         with self._lifecycle:
             self._regions[address] = (region, fd)
             try:

@@ -144,7 +144,7 @@ class MooncakeTransport:
         self.register(self.scratch, SCRATCH_BYTES)
         return self.sessions
 
-    def register(self, address: int, length: int) -> None:
+    def register(self, address: int, length: int, populate: bool = True) -> None:
         with self._lock:
             _register(self._engines, address, length)
             self._registered[address] = length

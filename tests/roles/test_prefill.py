@@ -62,7 +62,7 @@ def hello(service: PrefillService, identity: bytes = DECODE, incarnation: str = 
     port = service.port
     service.on_peer(identity, incarnation, codec.encode(decode_hello(incarnation=incarnation, **fields)))
     assert port.take() == [("peer", identity, PeerWelcome(
-        version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock()))]
+        version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock(), stages=True))]
 
 
 def peer(service: PrefillService, message, identity: bytes = DECODE, incarnation: str = DECODE_INCARNATION) -> None:
@@ -391,7 +391,7 @@ def test_a_restarted_decode_daemon_fails_and_fences_its_predecessors_rooms():
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=False)),
         ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason, pages=1)),
-        ("peer", successor, PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock())),
+        ("peer", successor, PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock(), stages=True)),
     ]
     assert set(service.peers) == {successor}
     settle(job, error="cancelled")
