@@ -198,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode daemon's --expect-batch-ms: how long a room's request waits for the engine's other "
                    "ranks to expect it too, so that one request carries every rank's legs; it leaves at once when they all "
                    "have (default: the daemon's default)")
+    g.add_argument("--staging-mib", type=int, default=None, metavar="MIB",
+                   help="the decode daemon's --staging-mib: its buffer for legs from prefill ranks holding fewer KV heads, "
+                   "which then write runs of whole pages instead of a slice per page; 0 writes into the pages "
+                   "(default: the daemon's default)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",
