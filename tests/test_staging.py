@@ -11,16 +11,25 @@ from hypothesis import strategies as st
 
 from pdxfer.core.plan import plan_leg_blocks, plan_staged_blocks, staged_layout
 from pdxfer.core.protocol import Heads, KVRegion, KVSpec, PageOrder, RegionKind
-from pdxfer.core.staging import ALIGN, StagingArena, worth_staging
+from pdxfer.core.staging import ALIGN, StagingArena, slice_span, worth_staging
 from pdxfer.roles.pools import MappedKV
 
 
-def test_worth_staging_only_a_whole_prefill_rank_into_a_slice_of_host_pages():
-    assert worth_staging(head_count=4, src_heads=4, dst_heads=8, host_memory=True)  # TP2 -> TP1
-    assert not worth_staging(4, 4, 8, host_memory=False)  # a device pool: the daemon copies with the CPU
-    assert not worth_staging(4, 4, 4, True)  # equal TP: whole pages already
-    assert not worth_staging(4, 8, 8, True)  # TP1 -> TP2: the destination pages are whole, the source a slice
-    assert not worth_staging(0, 4, 8, True)  # a dummy leg
+def test_worth_staging_only_a_whole_prefill_rank_into_short_spans_of_host_pages():
+    small = 1024
+    assert worth_staging(head_count=4, src_heads=4, dst_heads=8, host_memory=True, span=small, protocol="tcp")  # TP2 -> TP1
+    assert not worth_staging(4, 4, 8, False, small, "tcp")  # a device pool: the daemon copies with the CPU
+    assert not worth_staging(4, 4, 4, True, small, "tcp")  # equal TP: whole pages already
+    assert not worth_staging(4, 8, 8, True, small, "tcp")  # TP1 -> TP2: the destination pages are whole, the source a slice
+    assert not worth_staging(0, 4, 8, True, small, "tcp")  # a dummy leg
+    # A span a block costs little to write goes straight into the pages: long ones over TCP, all but short ones over RDMA.
+    assert worth_staging(4, 4, 8, True, 64 * 1024, "tcp") and not worth_staging(4, 4, 8, True, 256 * 1024, "tcp")
+    assert worth_staging(4, 4, 8, True, small, "rdma") and not worth_staging(4, 4, 8, True, 64 * 1024, "rdma")
+
+
+def test_a_slices_span_is_the_whole_slice_head_major_and_one_tokens_token_major():
+    assert slice_span(page_bytes=8 * 64 * 128, heads=8, head_count=4, page_size=64, head_major=True) == 4 * 64 * 128
+    assert slice_span(page_bytes=8 * 64 * 128, heads=8, head_count=4, page_size=64, head_major=False) == 4 * 128
 
 
 def test_an_arena_hands_out_aligned_extents_and_merges_them_back():

@@ -26,6 +26,16 @@ from typing import Sequence
 
 ALIGN = 4096  # extents start on page boundaries: a transport may register or pin by page
 
+# Staging costs a copy of every byte on the decode host (5-10 GB/s here: 0.1-0.2 ns a
+# byte); writing slices straight into the pages costs the transport's price of a block
+# per span. A leg is staged when its span is under that price over the copy's: over
+# Mooncake's TCP path a block costs about 20 us of CPU (pdxfer bench, raw engine, 20 ->
+# 100 blocks per room), so spans up to 128 KiB; with RDMA a block is a work request of
+# about a microsecond (not measured here), so only spans under 8 KiB, which token-major
+# slices (a span per token) are.
+STAGE_SPANS_BELOW = {"tcp": 128 * 1024}
+STAGE_SPANS_BELOW_DEFAULT = 8 * 1024
+
 
 @dataclass(frozen=True)
 class StagedLayout:
@@ -53,12 +63,21 @@ def slice_bytes(page_bytes: Sequence[int], heads: int, head_count: int) -> tuple
     return tuple(size * head_count // heads for size in page_bytes)
 
 
-def worth_staging(head_count: int, src_heads: int, dst_heads: int, host_memory: bool) -> bool:
+def worth_staging(head_count: int, src_heads: int, dst_heads: int, host_memory: bool, span: int, protocol: str) -> bool:
     """Whether a leg gains from staging: it fills a slice of each decode page (the decode
     rank holds more heads) with every head of the prefill rank's pages, whose runs then
-    stay whole. A decode pool outside host memory is not staged: the daemon copies
-    the slices with the CPU."""
-    return host_memory and 0 < head_count == src_heads < dst_heads
+    stay whole, and written into the pages its spans of ``span`` bytes would cost
+    ``protocol`` more than the copy (STAGE_SPANS_BELOW). A decode pool outside host
+    memory is not staged: the daemon copies the slices with the CPU."""
+    below = STAGE_SPANS_BELOW.get(protocol, STAGE_SPANS_BELOW_DEFAULT)
+    return host_memory and 0 < head_count == src_heads < dst_heads and span < below
+
+
+def slice_span(page_bytes: int, heads: int, head_count: int, page_size: int, head_major: bool) -> int:
+    """Bytes of one contiguous span of a ``head_count``-head slice of a page: the whole
+    slice of a head-major page ([head][token]), one token's of a token-major one."""
+    span = page_bytes * head_count // heads
+    return span if head_major else span // page_size
 
 
 class StagingArena:

@@ -10,8 +10,8 @@ import msgspec
 from ..core import errors
 from ..core.errors import PdxferError
 from ..core.plan import staged_layout
-from ..core.protocol import Expect, KVSpec, LegRequest, RoomRequest
-from ..core.staging import worth_staging
+from ..core.protocol import Expect, KVSpec, LegRequest, PageOrder, RoomRequest
+from ..core.staging import slice_span, worth_staging
 from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key
 from .decode_state import PendingRequest, PrefillLink, StagedExtent
 from .pools import Lane
@@ -60,10 +60,15 @@ class RoomRequests:
     def _stage_bytes(self, lane: Lane, msg: Expect, leg: LegRequest, positions: int) -> int:
         """The extent of the staging buffer a leg gains from (core/staging.py), in bytes; 0: none."""
         kv = lane.registered_kv()
-        if self.staging is None or not leg.real or not worth_staging(leg.head_count, _prefill_heads(kv.spec, msg), kv.spec.heads.local, kv.kind == "shm"):
+        spec = kv.spec
+        if self.staging is None or not leg.real:
             return 0
-        layers = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
-        return staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, positions).nbytes
+        span = min(slice_span(r.page_bytes, spec.heads.local, leg.head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
+                   for r in kv.regions)
+        if not worth_staging(leg.head_count, _prefill_heads(spec, msg), spec.heads.local, kv.kind == "shm", span, self.config.protocol):
+            return 0
+        layers = leg.layers if leg.layers != (0, 0) else (0, spec.num_layers_total)
+        return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, layers, positions).nbytes
 
     def _staged(self, link: PrefillLink, request: RoomRequest) -> RoomRequest:
         """A request as it leaves: its legs that gain from staging get an extent of the
