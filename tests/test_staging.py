@@ -9,22 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdxfer.core.plan import plan_leg_blocks, plan_staged_blocks, staged_layout
+from pdxfer.core.plan import plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout
 from pdxfer.core.protocol import Heads, KVRegion, KVSpec, PageOrder, RegionKind
 from pdxfer.core.staging import ALIGN, StagingArena, slice_span, worth_staging
 from pdxfer.roles.pools import MappedKV
 
 
-def test_worth_staging_only_a_whole_prefill_rank_into_short_spans_of_host_pages():
+def test_worth_staging_only_a_whole_rank_against_short_spans_of_a_slice_in_host_pages():
     small = 1024
-    assert worth_staging(head_count=4, src_heads=4, dst_heads=8, host_memory=True, span=small, protocol="tcp")  # TP2 -> TP1
+    # TP2 -> TP1 at the decode (every head of the prefill rank, a slice of the decode's), TP1 -> TP2 at the prefill.
+    assert worth_staging(head_count=4, whole_heads=4, sliced_heads=8, host_memory=True, span=small, protocol="tcp")
     assert not worth_staging(4, 4, 8, False, small, "tcp")  # a device pool: the daemon copies with the CPU
     assert not worth_staging(4, 4, 4, True, small, "tcp")  # equal TP: whole pages already
-    assert not worth_staging(4, 8, 8, True, small, "tcp")  # TP1 -> TP2: the destination pages are whole, the source a slice
+    assert not worth_staging(2, 4, 8, True, small, "tcp")  # a slice on both sides (replicated heads): no runs to keep
     assert not worth_staging(0, 4, 8, True, small, "tcp")  # a dummy leg
     # A span a block costs little to write goes straight into the pages: long ones over TCP, all but short ones over RDMA.
-    assert worth_staging(4, 4, 8, True, 64 * 1024, "tcp") and not worth_staging(4, 4, 8, True, 256 * 1024, "tcp")
-    assert worth_staging(4, 4, 8, True, small, "rdma") and not worth_staging(4, 4, 8, True, 64 * 1024, "rdma")
+    assert worth_staging(4, 4, 8, True, 12 * 1024, "tcp") and not worth_staging(4, 4, 8, True, 64 * 1024, "tcp")
+    assert worth_staging(4, 4, 8, True, small, "rdma") and not worth_staging(4, 4, 8, True, 12 * 1024, "rdma")
 
 
 def test_a_slices_span_is_the_whole_slice_head_major_and_one_tokens_token_major():
@@ -123,7 +124,7 @@ def test_staged_legs_land_as_slicing_heads_in_numpy_says(order, prefill_tp, deco
                                     (0, layers), src_pages, np.arange(src_pages.size), staging.ctypes.data + offset, layout)
         assert len(blocks) == 2 * 2 * layers  # a block per run of source pages per region
         _execute(blocks, {src_pool.ctypes.data: src_pool, staging.ctypes.data: staging})
-        decode_kv.scatter_heads(staging[offset : offset + layout.nbytes], layout, (0, layers), rank * src_heads, src_heads, dst_pages)
+        decode_kv.copy_heads(staging[offset : offset + layout.nbytes], layout, (0, layers), rank * src_heads, src_heads, dst_pages, into_pages=True)
         for k, region in enumerate(src_regions):
             pages = src_pool[region.offset : region.offset + num_pages * region.page_bytes].reshape(num_pages, *shape)
             expected.setdefault(k, []).append(pages[src_pages])
@@ -131,6 +132,41 @@ def test_staged_legs_land_as_slicing_heads_in_numpy_says(order, prefill_tp, deco
         want = np.concatenate(expected[k], axis=1 + head_axis).reshape(dst_pages.size, -1)
         got = decode_pool[region.offset : region.offset + num_pages * region.page_bytes].reshape(num_pages, -1)[dst_pages]
         assert np.array_equal(got, want), f"region {k}"
+
+
+@pytest.mark.parametrize("order", [PageOrder.HEAD_MAJOR, PageOrder.TOKEN_MAJOR])
+@pytest.mark.parametrize("prefill_tp,decode_tp,total", [(1, 2, 8), (2, 4, 8), (1, 4, 4)])
+def test_gathered_chunks_land_as_slicing_heads_in_numpy_says(order, prefill_tp, decode_tp, total):
+    """The prefill side: prefill rank 0's slice for each decode rank it writes to is
+    gathered into an extent and written from there; each decode rank's pages then
+    hold the prefill rank's heads numpy slices out for it."""
+    layers, tokens, unit, num_pages = 2, 4, 16, 12
+    rng = np.random.default_rng(11)
+    src_heads, dst_heads = total // prefill_tp, total // decode_tp
+    src_pages = np.array([6, 1, 2, 3, 8, 9])
+    dst_pages = np.array([2, 3, 4, 5, 10, 11])  # two runs
+    src_regions = _regions(layers, tokens * src_heads * unit, num_pages)
+    dst_regions = _regions(layers, tokens * dst_heads * unit, num_pages)
+    src_pool = rng.integers(0, 256, 2 * layers * num_pages * tokens * src_heads * unit, dtype=np.uint8)
+    spec = KVSpec(page_size=tokens, dtype="uint8", num_layers_total=layers, layers=(0, layers), page_order=order,
+                  heads=Heads(local=src_heads, total=total, bytes_per_token_head=unit))
+    prefill_kv = MappedKV({"p": _Mapped(src_pool)}, ("p",), spec, src_regions, 1, "shm")
+    staging = np.zeros(1 << 20, np.uint8)
+    shape = (tokens, -1, unit) if order is PageOrder.TOKEN_MAJOR else (-1, tokens, unit)
+    head_axis = 2 if order is PageOrder.TOKEN_MAJOR else 1
+    for rank in range(src_heads // dst_heads):  # the decode ranks prefill rank 0 writes to
+        decode_pool = np.zeros(2 * layers * num_pages * tokens * dst_heads * unit, np.uint8)
+        layout = staged_layout(src_regions, dst_regions, dst_heads, dst_heads, (0, layers), src_pages.size)
+        prefill_kv.copy_heads(staging[: layout.nbytes], layout, (0, layers), rank * dst_heads, dst_heads, src_pages, into_pages=False)
+        blocks = plan_from_staging(src_regions, dst_regions, tuple(decode_pool.ctypes.data + r.offset for r in dst_regions), dst_heads,
+                                   tokens, order, dst_heads, 0, (0, layers), dst_pages, staging.ctypes.data, layout)
+        assert len(blocks) == 2 * 2 * layers  # a block per run of destination pages per region
+        _execute(blocks, {staging.ctypes.data: staging, decode_pool.ctypes.data: decode_pool})
+        for k, (s, d) in enumerate(zip(src_regions, dst_regions)):
+            source = src_pool[s.offset : s.offset + num_pages * s.page_bytes].reshape(num_pages, *shape)[src_pages]
+            want = np.take(source, range(rank * dst_heads, (rank + 1) * dst_heads), axis=head_axis).reshape(src_pages.size, -1)
+            got = decode_pool[d.offset : d.offset + num_pages * d.page_bytes].reshape(num_pages, -1)[dst_pages]
+            assert np.array_equal(got, want), f"decode rank {rank} region {k}"
 
 
 def test_a_staged_leg_is_fewer_blocks_than_the_same_slice_written_into_the_pages():

@@ -135,10 +135,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ] = INLINE_KV_BYTES
     staging_mib: Annotated[
         int,
-        _doc("decode: MiB of shared memory in which a leg from a prefill rank holding fewer KV heads lands before this "
-             "daemon copies it into the pages, so runs of whole source pages stay one write each (head-major pages "
-             "otherwise take a write per page and region); host-memory pools only. A leg finding no room writes into "
-             "the pages. 0: none", ge=0, le=64 * 1024),
+        _doc("MiB of shared memory for legs between ranks of different TP whose side here holds a slice of each page: "
+             "decode, a leg from a prefill rank holding fewer KV heads lands in it and is copied into the pages; "
+             "prefill, a chunk for a decode rank holding fewer heads is gathered into it and written from there. Runs "
+             "of whole pages then stay one write each (slices take a write per page and region, head-major, or per "
+             "token, token-major), where the spans are short for the transport; host-memory pools only. A leg or "
+             "chunk finding no room writes between the pages. 0: none", ge=0, le=64 * 1024),
     ] = 64
     verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
     visibility_grace: Annotated[

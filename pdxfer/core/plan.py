@@ -483,9 +483,39 @@ def plan_staged_blocks(
     slice``, a page of ``head_count`` heads, so source runs of whole pages stay runs."""
     if positions.size and int(positions.max()) >= layout.positions:
         raise BadMessage(f"position {int(positions.max())} is outside the staged leg's {layout.positions}")
+    staged, bases = staged_regions(src_regions, dst_regions, layers, layout, staged_at)
+    return plan_leg_blocks(src_regions, src_bases, src_heads, staged, bases, head_count, page_size, page_order,
+                           src_head_start, head_count, 0, layers, src_pages, positions)
+
+
+def plan_from_staging(
+    src_regions: Sequence[KVRegion],
+    dst_regions: Sequence[KVRegion],
+    dst_bases: Sequence[int],
+    dst_heads: int,
+    page_size: int,
+    page_order: PageOrder,
+    head_count: int,
+    dst_head_start: int,
+    layers: tuple[int, int],
+    dst_pages: np.ndarray,
+    staged_at: int,
+    layout: StagedLayout,
+) -> Blocks:
+    """plan_leg_blocks from a chunk gathered into a staging extent at ``staged_at`` (the
+    prefill side of core/staging.py): its position p of region pair k, a page of
+    ``head_count`` heads, goes to ``dst_pages[p]``, so runs of destination pages are
+    one block each."""
+    staged, bases = staged_regions(src_regions, dst_regions, layers, layout, staged_at)
+    return plan_leg_blocks(staged, bases, head_count, dst_regions, dst_bases, dst_heads, page_size, page_order,
+                           0, head_count, dst_head_start, layers, np.arange(layout.positions), dst_pages)
+
+
+def staged_regions(src_regions: Sequence[KVRegion], dst_regions: Sequence[KVRegion], layers: tuple[int, int],
+                   layout: StagedLayout, at: int) -> tuple[tuple[KVRegion, ...], tuple[int, ...]]:
+    """A staging extent at ``at`` as a pool the planner reads: a region of
+    ``layout.positions`` pages of one slice per region pair of ``layers``, and their addresses."""
     pairs = leg_region_pairs(src_regions, dst_regions, layers)
     staged = tuple(KVRegion(buffer=0, offset=0, page_bytes=size, num_pages=layout.positions, layer=dst_regions[j].layer, kind=dst_regions[j].kind)
                    for (_, j), size in zip(pairs, layout.slice_bytes))
-    bases = tuple(staged_at + offset for offset in layout.offsets)
-    return plan_leg_blocks(src_regions, src_bases, src_heads, staged, bases, head_count, page_size, page_order,
-                           src_head_start, head_count, 0, layers, src_pages, positions)
+    return staged, tuple(at + offset for offset in layout.offsets)

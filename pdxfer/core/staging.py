@@ -1,21 +1,26 @@
-"""Staging a head slice on the decode side (ENGINES.md §7.A6).
+"""Staging a head slice (ENGINES.md §7.A6).
 
-Between ranks of different TP, a decode rank that holds more KV heads than the prefill
-rank receives each prefill rank's heads into a slice of every page. In a head-major page
-that slice is one span per (region, page), and spans of neighbouring pages are not
-contiguous, so a leg of N pages is N blocks per region where equal TP writes runs of
-pages as one block each. Over a transport whose cost grows with the blocks (Mooncake's
-TCP path waits for each write's acknowledgement), that is most of the difference.
+Between ranks of different TP, one side of a leg holds every head of its rank's pages
+and the other a slice of each page: the decode side when the prefill TP is the larger,
+the prefill side when the decode TP is. In a head-major page that slice is one span per
+(region, page), in a token-major one a span per token, and spans of neighbouring pages
+are not contiguous, so a leg of N pages is N (or N x tokens) blocks per region where
+equal TP writes runs of pages as one block each. Over a transport whose cost grows with
+the blocks (Mooncake's TCP path waits for each write's acknowledgement), that is most
+of the difference.
 
-A staged leg writes into a buffer of the decode daemon's instead, laid out as the
-prefill rank's pages are (region pair, then page position, then the slice), so runs of
-source pages stay runs; once the leg's record says every write completed, the decode
-daemon copies the slices into the pages. The buffer's extents are taken per leg and
-given back only on proof that nothing more can land in them: the leg's record, its
-prefill's fenced failure, a refusal, a request never sent, or the prefill's restart or
-an operator's cut (S2, as for aux slots).
+The sliced side stages instead, in a buffer of its daemon's laid out as the whole side's
+pages are (region pair, then page position, then the slice), so runs of pages stay runs:
 
-Pure: no I/O; the copy itself is pools.MappedKV.scatter_heads.
+* decode: the leg is written into the buffer (LegRequest.staged_at), and once its
+  record says every write completed the daemon copies the slices into the pages. The
+  extents are taken per leg and given back only on proof that nothing more can land in
+  them: the leg's record, its prefill's fenced failure, a refusal, a request never
+  sent, or the prefill's restart or an operator's cut (S2, as for aux slots).
+* prefill: each chunk's slices are gathered into an extent, which is the source of
+  its writes, given back once the transfer pump reported the chunk's job settled.
+
+Pure: no I/O; the copies themselves are pools.MappedKV.copy_heads.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ from typing import Sequence
 
 ALIGN = 4096  # extents start on page boundaries: a transport may register or pin by page
 
-# Staging costs a copy of every byte on the decode host (5-10 GB/s here: 0.1-0.2 ns a
-# byte); writing slices straight into the pages costs the transport's price of a block
-# per span. A leg is staged when its span is under that price over the copy's: over
-# Mooncake's TCP path a block costs about 20 us of CPU (pdxfer bench, raw engine, 20 ->
-# 100 blocks per room), so spans up to 128 KiB; with RDMA a block is a work request of
-# about a microsecond (not measured here), so only spans under 8 KiB, which token-major
-# slices (a span per token) are.
-STAGE_SPANS_BELOW = {"tcp": 128 * 1024}
+# Staging costs a copy of every byte on the staging host, on its daemon's event loop;
+# writing slices one by one costs the transport's price of a block per span. Measured
+# over Mooncake's TCP path (pdxfer bench, medium rooms, HISTORY.md): spans of 1 KiB
+# (token-major) move 17-26x faster staged, on either side; spans of 64 KiB (head-major)
+# no faster staged at the decode and at half the rate gathered at the prefill, where the
+# copy delays the first write. So only spans under 16 KiB are staged over TCP. With RDMA
+# a block is a work request of about a microsecond (not measured here): under 8 KiB.
+STAGE_SPANS_BELOW = {"tcp": 16 * 1024}
 STAGE_SPANS_BELOW_DEFAULT = 8 * 1024
 
 
@@ -63,14 +68,14 @@ def slice_bytes(page_bytes: Sequence[int], heads: int, head_count: int) -> tuple
     return tuple(size * head_count // heads for size in page_bytes)
 
 
-def worth_staging(head_count: int, src_heads: int, dst_heads: int, host_memory: bool, span: int, protocol: str) -> bool:
-    """Whether a leg gains from staging: it fills a slice of each decode page (the decode
-    rank holds more heads) with every head of the prefill rank's pages, whose runs then
-    stay whole, and written into the pages its spans of ``span`` bytes would cost
-    ``protocol`` more than the copy (STAGE_SPANS_BELOW). A decode pool outside host
-    memory is not staged: the daemon copies the slices with the CPU."""
+def worth_staging(head_count: int, whole_heads: int, sliced_heads: int, host_memory: bool, span: int, protocol: str) -> bool:
+    """Whether the sliced side of a leg gains from staging: the leg is every head of one
+    side's rank (``whole_heads``), whose runs of pages then stay whole, and a slice of
+    the other side's ``sliced_heads``, whose spans of ``span`` bytes would cost
+    ``protocol`` more to write one by one than the copy (STAGE_SPANS_BELOW). The sliced
+    side's pool must be host memory: its daemon copies the slices with the CPU."""
     below = STAGE_SPANS_BELOW.get(protocol, STAGE_SPANS_BELOW_DEFAULT)
-    return host_memory and 0 < head_count == src_heads < dst_heads and span < below
+    return host_memory and 0 < head_count == whole_heads < sliced_heads and span < below
 
 
 def slice_span(page_bytes: int, heads: int, head_count: int, page_size: int, head_major: bool) -> int:

@@ -73,7 +73,7 @@ class Daemon:
         self.admin_endpoint = ""
         self.yielding: cpu_yield.Yielding | None = None  # None: the daemon's threads keep the normal policy
         self.cpu_takebacks = 0
-        self.staging: memory.SharedMemory | None = None  # decode: the staging buffer (core/staging.py)
+        self.staging: memory.SharedMemory | None = None  # the staging buffer (core/staging.py)
         self._taken_back: list[int] = []  # threads that left SCHED_IDLE, to yield again
         self._engine_calls_in_window = 0  # work for the daemon that cpu_yield judges starvation by
         self._http: HttpEndpoint | None = None
@@ -124,7 +124,7 @@ class Daemon:
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
                 self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
-        if cfg.role is Role.DECODE and cfg.staging_mib:
+        if cfg.staging_mib:
             self.staging = await self._open_staging(cfg.staging_mib << 20)
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
         self.metrics = Metrics(self)
@@ -189,23 +189,24 @@ class Daemon:
         cfg = self.config
         # The log level is set once, before this: without debug logging the table tells the metrics directly.
         observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
+        staging = Staging(self.staging) if self.staging is not None else None
         if cfg.role is Role.PREFILL:
-            return PrefillService(cfg, self.incarnation, PrefillDaemonPort(self, observe), sessions=self.sessions, bootstrap_address=self.bootstrap_address)
+            return PrefillService(cfg, self.incarnation, PrefillDaemonPort(self, observe), sessions=self.sessions,
+                                  bootstrap_address=self.bootstrap_address, staging=staging)
         from ..transport.mooncake import installed_release
 
         return DecodeService(cfg, self.incarnation, DecodeDaemonPort(self, observe), sessions=self.sessions,
-                             probe_base=self.transport.scratch + PROBE_BYTES, engine_release=installed_release(),
-                             staging=Staging(self.staging) if self.staging is not None else None)
+                             probe_base=self.transport.scratch + PROBE_BYTES, engine_release=installed_release(), staging=staging)
 
     async def _open_staging(self, size: int) -> memory.SharedMemory | None:
-        """The decode daemon's staging buffer (core/staging.py), registered with the transport;
-        None, with a warning, when shared memory cannot hold it (legs then write into pages)."""
+        """The staging buffer (core/staging.py), registered with the transport; None, with a
+        warning, when shared memory cannot hold it (legs then write between the pages)."""
         loop = asyncio.get_running_loop()
         try:
             # Not populated: it takes memory only as legs are staged into it (an idle or equal-TP daemon's stays empty).
             staging = await loop.run_in_executor(None, memory.SharedMemory.create, size, "pdxfer-staging", False)
         except PdxferError as exc:
-            log.warning("no staging buffer (--staging-mib %d): %s; legs between ranks of different TP write into the pages", size >> 20, exc)
+            log.warning("no staging buffer (--staging-mib %d): %s; legs between ranks of different TP write between the pages", size >> 20, exc)
             return None
         try:
             await loop.run_in_executor(None, self.transport.register, staging.address, size, False)

@@ -116,7 +116,7 @@ class RoomVerification:
         layers = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
         layout = staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, w.pages.size)
         extent = self.staging.extent(self.staged[(room.id, leg.leg)].offset, layout.nbytes)
-        kv.scatter_heads(extent, layout, layers, leg.dst_head_start, leg.head_count, w.pages[:count])
+        kv.copy_heads(extent, layout, layers, leg.dst_head_start, leg.head_count, w.pages[:count], into_pages=True)
 
     def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
         """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""

@@ -68,22 +68,27 @@ class MappedKV:
         views = [memoryview(mapping.array) for mapping in self.buffers]
         return [(views[r.buffer], r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
 
-    def scatter_heads(self, staged: np.ndarray, layout: StagedLayout, layers: tuple[int, int], head_start: int,
-                      head_count: int, pages: np.ndarray) -> None:
-        """Copy a staged leg (core/staging.py) into heads [head_start, +head_count) of
-        ``pages`` (position i into pages[i]) in the regions of ``layers``."""
+    def copy_heads(self, staged: np.ndarray, layout: StagedLayout, layers: tuple[int, int], head_start: int,
+                   head_count: int, pages: np.ndarray, into_pages: bool) -> None:
+        """Between a staged leg or chunk (core/staging.py, position i for pages[i]) and
+        heads [head_start, +head_count) of ``pages`` in the regions of ``layers``: into
+        the pages (decode), or out of them into ``staged`` (prefill)."""
         heads, tokens = self.spec.heads.local, self.spec.page_size
         token_major = self.spec.page_order is PageOrder.TOKEN_MAJOR
         views = self._region_pages("staging")
         pairs = leg_region_pairs(self.regions, self.regions, layers)
         for (j, _), at, size in zip(pairs, layout.offsets, layout.slice_bytes):
-            src = staged[at : at + pages.size * size]
+            part = staged[at : at + pages.size * size]
             if token_major:  # [token][head][unit]
-                views[j].reshape(self.num_pages, tokens, heads, -1)[pages, :, head_start : head_start + head_count, :] = \
-                    src.reshape(pages.size, tokens, head_count, -1)
+                view = views[j].reshape(self.num_pages, tokens, heads, -1)
+                shape, index = (pages.size, tokens, head_count, -1), (pages, slice(None), slice(head_start, head_start + head_count))
             else:  # [head][token x unit]
-                views[j].reshape(self.num_pages, heads, -1)[pages, head_start : head_start + head_count, :] = \
-                    src.reshape(pages.size, head_count, -1)
+                view = views[j].reshape(self.num_pages, heads, -1)
+                shape, index = (pages.size, head_count, -1), (pages, slice(head_start, head_start + head_count))
+            if into_pages:
+                view[index] = part.reshape(shape)
+            else:
+                part.reshape(shape)[...] = view[index]
 
     def gather(self, pages: np.ndarray) -> bytes:
         """The given pages' bytes, region by region in canonical order (a room's inline KV)."""

@@ -62,9 +62,10 @@ from ..core.protocol import (
 )
 from ..core.rooms import Event, Room
 from ..core.topology import decode_rank_of, fan_key, prefill_rank_of, room_key, room_of
-from ..transport import Peer, label, primary
+from ..transport import Job, Peer, label, primary
 from .base import RoomService
 from .fan_out import FanOutParts
+from .pools import Staging
 from .ports import PrefillPort
 from .prefill_state import Chunk, DecodePeer, PrefillWork
 from .prefill_writes import RoomWrites
@@ -78,13 +79,18 @@ EARLY_BYTES = 64 * 1024 * 1024  # peer messages held for an engine that has not 
 class PrefillService(RoomWrites, FanOutParts, RoomService):
     role = Role.PREFILL
 
-    def __init__(self, config: Config, incarnation: str, port: PrefillPort, *, sessions: Peer, bootstrap_address: str) -> None:
+    def __init__(self, config: Config, incarnation: str, port: PrefillPort, *, sessions: Peer, bootstrap_address: str,
+                 staging: Staging | None = None) -> None:
         super().__init__(config, incarnation, port, sessions=sessions, bootstrap_address=bootstrap_address)
         self.port: PrefillPort = port
         self.peers: dict[bytes, DecodePeer] = {}
         self.connected: set[bytes] = set()  # identities with a bootstrap connection now (wire.bootstrap)
         self.work: dict[int, PrefillWork] = {}
         self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
+        self.staging = staging  # where a leg's slices are gathered before they are written (core/staging.py); None: nowhere
+        self.gathered: dict[Job, int] = {}  # a chunk's job: the extent it is written from, until its writes settled
+        self.staged_chunks = 0  # chunks written from an extent
+        self.staging_full = 0  # chunks that would have gained from one, written from the pages since none was free
         # Peer messages that arrived before the engine registered, replayed after.
         self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
         self._early_bytes = 0

@@ -15,10 +15,11 @@ import numpy as np
 
 from ..core import errors, paths
 from ..core.errors import PdxferError
-from ..core.plan import Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks, plan_leg_blocks, plan_staged_blocks, staged_layout
-from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
+from ..core.plan import (Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks,
+                         plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout)
+from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PageOrder, PeerHello, RoomFailed, compat_diff
 from ..core.rooms import Event, Room
-from ..core.staging import StagedLayout
+from ..core.staging import StagedLayout, slice_span, worth_staging
 from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import room_of
 from ..transport import Job
@@ -172,7 +173,14 @@ class RoomWrites:
             ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
             targets = np.arange(w.dst_pages.size) if req.staged_at else w.dst_pages  # a staged leg's are positions
             planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, targets, room_of(room.id)) for chunk in ready]
-            blocks = [self._plan(room, w, peer, kept, dst) if req.real and kept.size else None for kept, dst in planned]
+            blocks = []
+            try:
+                for kept, dst in planned:
+                    blocks.append(self._plan(room, w, peer, kept, dst) if req.real and kept.size else (None, None))
+            except PdxferError:
+                for _, extent in blocks:
+                    self._give_extent(extent)
+                raise
         except PdxferError as exc:
             self.fail(room, exc.code, exc.message)
             return
@@ -183,31 +191,72 @@ class RoomWrites:
             return
         if w.last and req.carries_aux:  # the room is whole: its aux record is planned too
             room.bytes_planned += HEADER_BYTES + w.aux_bytes
-        for (kept, _), planned_blocks in zip(planned, blocks):
+        for (kept, _), (planned_blocks, extent) in zip(planned, blocks):
             w.kept.append(kept)
             w.written += kept.size
             if planned_blocks is not None:
                 room.bytes_planned += planned_blocks.nbytes
                 job = Job(room.id, peer.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
                 w.jobs.add(job)
+                if extent is not None:
+                    self.gathered[job] = extent
                 self.port.submit(job)
         self._aux_when_written(room, w)
 
-    def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> Blocks:
+    def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> tuple[Blocks, int | None]:
         """The blocks of one chunk of the leg: whole pages, or its heads and layers (A6-A8),
-        into the decode's pages or, staged, into its staging buffer (``dst`` are then positions)."""
+        into the decode's pages or, staged, into its staging buffer (``dst`` are then
+        positions); and the extent of our own staging buffer the chunk was gathered
+        into (core/staging.py), if it was."""
         kv, req = self._kv(room), w.request
         lane = peer.lanes[req.lane]
         if _whole(req):
-            return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst)
+            return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst), None
         theirs, layers = _regions_of(lane), _layers(req, kv)
         if req.staged_at:
             layout = self._staged_layout(self.lane_of(room), req, lane, w.dst_pages.size)
             return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
-                                      kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at, layout)
+                                      kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at, layout), None
+        if self._worth_gathering(kv, req, lane):
+            gathered = self._gather(kv, req, lane, theirs, layers, src, dst)
+            if gathered is not None:
+                return gathered
         heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
         return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
-                               kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst)
+                               kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst), None
+
+    def _worth_gathering(self, kv, req: LegRequest, lane: LaneInfo) -> bool:
+        """A leg whose destination is every head of the decode rank's pages and whose source
+        a slice of ours (decode TP above ours) gains from gathering (core/staging.py)."""
+        spec = kv.spec
+        if self.staging is None or not req.head_count:
+            return False
+        span = min(slice_span(r.page_bytes, spec.heads.local, req.head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
+                   for r in kv.regions)
+        return worth_staging(req.head_count, lane.heads_local, spec.heads.local, kv.kind == "shm", span, self.config.protocol)
+
+    def _gather(self, kv, req: LegRequest, lane: LaneInfo, theirs: tuple[KVRegion, ...], layers: tuple[int, int],
+                src: np.ndarray, dst: np.ndarray) -> tuple[Blocks, int] | None:
+        """A chunk's slices gathered into an extent of our staging buffer, and its blocks
+        from there: runs of destination pages, one block each. None when no extent is free."""
+        layout = staged_layout(kv.regions, theirs, lane.heads_local, req.head_count, layers, src.size)
+        offset = self.staging.arena.take(layout.nbytes)
+        if offset is None:
+            self.staging_full += 1
+            return None
+        try:
+            blocks = plan_from_staging(kv.regions, theirs, lane.region_bases, lane.heads_local, kv.spec.page_size, kv.spec.page_order,
+                                       req.head_count, req.dst_head_start, layers, dst, self.staging.base + offset, layout)
+        except PdxferError:
+            self.staging.arena.give(offset)
+            raise
+        kv.copy_heads(self.staging.extent(offset, layout.nbytes), layout, layers, req.src_head_start, req.head_count, src, into_pages=False)
+        self.staged_chunks += 1
+        return blocks, offset
+
+    def _give_extent(self, extent: int | None) -> None:
+        if extent is not None:
+            self.staging.arena.give(extent)
 
     def _aux_when_written(self, room: Room, w: PrefillWork) -> None:
         if w.last and not w.jobs and not w.chunks and not w.aux_sent and not room.finished:
@@ -220,6 +269,7 @@ class RoomWrites:
         return min(own, w.lease_ms / 1000) if w.lease_ms else own
 
     def _kv_written(self, job: Job) -> None:
+        self._give_extent(self.gathered.pop(job, None))  # its writes settled: nothing reads the extent any more
         room, w = self.rooms.find(job.id), self.work.get(job.id)
         if room is None or w is None or job not in w.jobs:
             return
@@ -304,4 +354,6 @@ class RoomWrites:
             w.jobs.clear()
             w.job = None
             self._drained(room, w)
+        for job in list(self.gathered):
+            self._give_extent(self.gathered.pop(job))
         return len(waiting)
