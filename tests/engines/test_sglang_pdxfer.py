@@ -345,6 +345,15 @@ def test_b7_tp_servers_of_different_sizes_match_single_engine(prefill_tp, decode
     # what proves the KV here.
     assert (received["rooms_succeeded"], received["rooms_failed"]) == (decode_tp * NUM_REQUESTS, 0)
     assert (sent["rooms_succeeded"], sent["rooms_failed"]) == (max(prefill_tp, decode_tp) * NUM_REQUESTS, 0)
+    # SGLang's pages are token-major, so a head slice is a span per token: the side holding the slice staged it
+    # (core/staging.py). TP2 -> TP1: every leg landed in the decode daemon's staging buffer; TP1 -> TP2: the
+    # prefill daemon gathered the chunks. Every extent came back, and none was refused for lack of room.
+    if prefill_tp > decode_tp:
+        assert (received["legs_staged"], sent["chunks_gathered"]) == (prefill_tp * NUM_REQUESTS, 0)
+    else:
+        assert received["legs_staged"] == 0 and sent["chunks_gathered"] >= decode_tp * NUM_REQUESTS
+    assert received["staging_full"] == sent["staging_full"] == 0
+    assert received["staging_taken_bytes"] == sent["staging_taken_bytes"] == 0
 
     # Every prefill rank was handed the same chunks of every room; each decode rank
     # received those pages whole (its heads of every token of the four K/V buffers),
