@@ -307,6 +307,11 @@ def decode_rank_of(code: int) -> int:
     return code & 0xFFFFFFFF
 
 
+def leg_layers(layers: tuple[int, int], num_layers: int) -> tuple[int, int]:
+    """A leg's layer range [start, end) as a LegRequest names it: (0, 0) is every one of ``num_layers``."""
+    return layers if layers != (0, 0) else (0, num_layers)
+
+
 def room_key(room: int, rank: int) -> int:
     """The key of one rank's part of ``room`` in a daemon's room table: the room id
     itself for rank (0, 0), so a one-rank engine's rooms are keyed by their ids."""

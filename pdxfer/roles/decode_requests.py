@@ -12,7 +12,7 @@ from ..core.errors import PdxferError
 from ..core.plan import staged_layout
 from ..core.protocol import Expect, KVSpec, LegRequest, PageOrder, RoomRequest
 from ..core.staging import slice_span, worth_staging
-from ..core.topology import decode_rank_of, leg_code, legs_for_decode_rank, local_heads, room_key
+from ..core.topology import decode_rank_of, leg_code, leg_layers, legs_for_decode_rank, local_heads, room_key
 from .decode_state import PendingRequest, PrefillLink, StagedExtent
 from .pools import Lane
 
@@ -67,8 +67,7 @@ class RoomRequests:
                    for r in kv.regions)
         if not worth_staging(leg.head_count, _prefill_heads(spec, msg), spec.heads.local, kv.kind == "shm", span, self.config.protocol):
             return 0
-        layers = leg.layers if leg.layers != (0, 0) else (0, spec.num_layers_total)
-        return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, layers, positions).nbytes
+        return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, leg_layers(leg.layers, spec.num_layers_total), positions).nbytes
 
     def _staged(self, link: PrefillLink, request: RoomRequest) -> RoomRequest:
         """A request as it leaves: its legs that gain from staging get an extent of the

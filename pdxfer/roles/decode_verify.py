@@ -11,7 +11,7 @@ from ..core.protocol import AuxRecord, ErrorCode, LegRequest, LegWritten, RoomAc
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
 from ..core.stamp import HEADER_BYTES, Stamp, verify
-from ..core.topology import room_of
+from ..core.topology import leg_layers, room_of
 from .decode_state import DecodeWork, LegState, PrefillLink
 
 
@@ -113,7 +113,7 @@ class RoomVerification:
     def _land_staged(self, room: Room, w: DecodeWork, leg: LegRequest, count: int) -> None:
         """Copy a staged leg's first ``count`` positions from its extent into the room's pages."""
         kv = self._kv(room)
-        layers = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        layers = leg_layers(leg.layers, kv.spec.num_layers_total)
         layout = staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, w.pages.size)
         extent = self.staging.extent(self.staged[(room.id, leg.leg)].offset, layout.nbytes)
         kv.copy_heads(extent, layout, layers, leg.dst_head_start, leg.head_count, w.pages[:count], into_pages=True)
@@ -121,7 +121,7 @@ class RoomVerification:
     def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
         """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""
         kv = self._kv(room)
-        start, end = leg.layers if leg.layers != (0, 0) else (0, kv.spec.num_layers_total)
+        start, end = leg_layers(leg.layers, kv.spec.num_layers_total)
         page = sum(r.page_bytes for r in kv.regions if start <= r.layer < end)
         return page * leg.head_count // kv.spec.heads.local if leg.head_count else page
 

@@ -21,7 +21,7 @@ from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, Le
 from ..core.rooms import Event, Room
 from ..core.staging import StagedLayout, slice_span, worth_staging
 from ..core.stamp import HEADER_BYTES, stamp_for
-from ..core.topology import room_of
+from ..core.topology import leg_layers, room_of
 from ..transport import Job
 from .pools import Lane
 from .prefill_state import DecodePeer, PrefillWork
@@ -35,10 +35,6 @@ def _regions_of(lane: LaneInfo) -> tuple[KVRegion, ...]:
     """A decode rank's regions as its hello describes them (the planner needs no buffer or offset of theirs)."""
     return tuple(KVRegion(buffer=0, offset=0, page_bytes=page_bytes, num_pages=lane.num_pages, layer=layer, kind=kind)
                  for layer, kind, page_bytes in lane.compat.regions)
-
-
-def _layers(req: LegRequest, kv) -> tuple[int, int]:
-    return req.layers if req.layers != (0, 0) else (0, kv.spec.num_layers_total)
 
 
 def _whole(leg: LegRequest) -> bool:
@@ -123,7 +119,7 @@ class RoomWrites:
     @staticmethod
     def _staged_layout(local: Lane, req: LegRequest, lane: LaneInfo, positions: int) -> StagedLayout:
         kv = local.registered_kv()
-        return staged_layout(kv.regions, _regions_of(lane), lane.heads_local, req.head_count, _layers(req, kv), positions)
+        return staged_layout(kv.regions, _regions_of(lane), lane.heads_local, req.head_count, leg_layers(req.layers, kv.spec.num_layers_total), positions)
 
     def _check_staged(self, local: Lane, req: LegRequest, lane: LaneInfo, positions: int, peer: DecodePeer, room_id: int) -> None:
         """A staged leg's extent lies inside the decode daemon's staging buffer (C2)."""
@@ -212,7 +208,7 @@ class RoomWrites:
         lane = peer.lanes[req.lane]
         if _whole(req):
             return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst), None
-        theirs, layers = _regions_of(lane), _layers(req, kv)
+        theirs, layers = _regions_of(lane), leg_layers(req.layers, kv.spec.num_layers_total)
         if req.staged_at:
             layout = self._staged_layout(self.lane_of(room), req, lane, w.dst_pages.size)
             return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
