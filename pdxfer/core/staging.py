@@ -34,7 +34,7 @@ ALIGN = 4096  # extents start on page boundaries: a transport may register or pi
 # Staging costs a copy of every byte on the staging host, on its daemon's event loop;
 # writing slices one by one costs the transport's price of a block per span. Measured
 # over Mooncake's TCP path (pdxfer bench, medium rooms, HISTORY.md): spans of 1 KiB
-# (token-major) move 17-26x faster staged, on either side; spans of 64 KiB (head-major)
+# (token-major) move 12-26x faster staged, on either side; spans of 64 KiB (head-major)
 # no faster staged at the decode and at half the rate gathered at the prefill, where the
 # copy delays the first write. So only spans under 16 KiB are staged over TCP. With RDMA
 # a block is a work request of about a microsecond (not measured here): under 8 KiB.
