@@ -144,7 +144,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             raise
         link = self._link(endpoint)
         # A dummy leg writes nothing here: landed and fenced from the start.
-        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real, stage_bytes=self._stage_bytes(lane, msg, leg, dst.size))
+        states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real, stage_layout=self._stage_layout(lane, msg, leg, dst.size))
                   for leg in legs}
         self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch)
         link.rooms.add(room.id)

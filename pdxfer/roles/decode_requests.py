@@ -10,8 +10,8 @@ import msgspec
 from ..core import errors
 from ..core.errors import PdxferError
 from ..core.plan import staged_layout
-from ..core.protocol import Expect, KVSpec, LegRequest, PageOrder, RoomRequest
-from ..core.staging import slice_span, worth_staging
+from ..core.protocol import Expect, KVSpec, LegRequest, RoomRequest
+from ..core.staging import StagedLayout
 from ..core.topology import decode_rank_of, leg_code, leg_layers, legs_for_decode_rank, local_heads, room_key
 from .decode_state import PendingRequest, PrefillLink, StagedExtent
 from .pools import Lane
@@ -57,17 +57,13 @@ class RoomRequests:
             ))
         return out
 
-    def _stage_bytes(self, lane: Lane, msg: Expect, leg: LegRequest, positions: int) -> int:
-        """The extent of the staging buffer a leg gains from (core/staging.py), in bytes; 0: none."""
+    def _stage_layout(self, lane: Lane, msg: Expect, leg: LegRequest, positions: int) -> StagedLayout | None:
+        """Where a leg would lie in an extent of the staging buffer, if it gains from one (core/staging.py)."""
         kv = lane.registered_kv()
         spec = kv.spec
-        if self.staging is None or not leg.real:
-            return 0
-        span = min(slice_span(r.page_bytes, spec.heads.local, leg.head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
-                   for r in kv.regions)
-        if not worth_staging(leg.head_count, _prefill_heads(spec, msg), spec.heads.local, kv.kind == "shm", span, self.config.protocol):
-            return 0
-        return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, leg_layers(leg.layers, spec.num_layers_total), positions).nbytes
+        if self.staging is None or not leg.real or not kv.worth_staging(leg.head_count, _prefill_heads(spec, msg), self.config.protocol):
+            return None
+        return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, leg_layers(leg.layers, spec.num_layers_total), positions)
 
     def _staged(self, link: PrefillLink, request: RoomRequest) -> RoomRequest:
         """A request as it leaves: its legs that gain from staging get an extent of the
@@ -79,8 +75,8 @@ class RoomRequests:
         for leg in request.legs:
             key = room_key(request.room, decode_rank_of(leg.leg))
             state = self.work[key].legs[leg.leg] if key in self.work else None
-            if state is not None and state.stage_bytes:
-                offset = self.staging.arena.take(state.stage_bytes)
+            if state is not None and state.stage_layout is not None:
+                offset = self.staging.arena.take(state.stage_layout.nbytes)
                 if offset is None:
                     self.staging_full += 1
                 else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.protocol import LegRequest, RoomRequest
+from ..core.staging import StagedLayout
 
 
 # Offset samples kept per link: the best (largest) of the recent ones is used; older
@@ -61,7 +62,7 @@ class LegState:
     peer_fenced: bool = False  # its prefill rank said it has no write in flight for this leg
     peer_failed: bool = False  # the failure came from that prefill rank: it knows
     first_check: float = 0.0  # first verification attempt of what landed
-    stage_bytes: int = 0  # the staging extent it gains from (core/staging.py), taken when its request leaves; 0: none
+    stage_layout: StagedLayout | None = None  # where it lies in the staging extent it gains from (core/staging.py), taken when its request leaves
 
     @property
     def whole(self) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ..core import errors, paths
 from ..core.errors import PdxferError
-from ..core.plan import staged_layout
 from ..core.protocol import AuxRecord, ErrorCode, LegRequest, LegWritten, RoomAck
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
@@ -74,7 +73,7 @@ class RoomVerification:
         if (room.id, msg.leg) in self.staged:  # once: its record says every write completed
             try:
                 self._check_written_pages(room, w, msg)
-                self._land_staged(room, w, leg.request, msg.kv_pages)
+                self._land_staged(room, w, leg, msg.kv_pages)
             except PdxferError as exc:
                 self.fail(room, exc.code, exc.message)
                 return
@@ -110,13 +109,12 @@ class RoomVerification:
                 if other.request.real:
                     self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
 
-    def _land_staged(self, room: Room, w: DecodeWork, leg: LegRequest, count: int) -> None:
+    def _land_staged(self, room: Room, w: DecodeWork, leg: LegState, count: int) -> None:
         """Copy a staged leg's first ``count`` positions from its extent into the room's pages."""
-        kv = self._kv(room)
-        layers = leg_layers(leg.layers, kv.spec.num_layers_total)
-        layout = staged_layout(kv.regions, kv.regions, kv.spec.heads.local, leg.head_count, layers, w.pages.size)
-        extent = self.staging.extent(self.staged[(room.id, leg.leg)].offset, layout.nbytes)
-        kv.copy_heads(extent, layout, layers, leg.dst_head_start, leg.head_count, w.pages[:count], into_pages=True)
+        kv, req, layout = self._kv(room), leg.request, leg.stage_layout
+        extent = self.staging.extent(self.staged[(room.id, req.leg)].offset, layout.nbytes)
+        kv.copy_heads(extent, layout, leg_layers(req.layers, kv.spec.num_layers_total), req.dst_head_start, req.head_count,
+                      w.pages[:count], into_pages=True)
 
     def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
         """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""

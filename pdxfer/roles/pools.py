@@ -12,7 +12,7 @@ from ..core.errors import Unsupported
 from ..core import errors
 from ..core.plan import canonical, compat_of, leg_region_pairs, region_addresses
 from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, PageOrder, Rank
-from ..core.staging import StagedLayout, StagingArena
+from ..core.staging import StagedLayout, StagingArena, slice_span, worth_staging
 from ..core.topology import rank_code
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
@@ -68,6 +68,15 @@ class MappedKV:
         views = [memoryview(mapping.array) for mapping in self.buffers]
         return [(views[r.buffer], r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
 
+    def worth_staging(self, head_count: int, whole_heads: int, protocol: str) -> bool:
+        """Whether ``head_count`` of this rank's heads, every head of the other side's rank
+        (``whole_heads``), are worth staging here (core/staging.worth_staging), given the
+        shortest span such a slice has in any of its regions."""
+        spec = self.spec
+        span = min(slice_span(r.page_bytes, spec.heads.local, head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
+                   for r in self.regions)
+        return worth_staging(head_count, whole_heads, spec.heads.local, self.kind == "shm", span, protocol)
+
     def copy_heads(self, staged: np.ndarray, layout: StagedLayout, layers: tuple[int, int], head_start: int,
                    head_count: int, pages: np.ndarray, into_pages: bool) -> None:
         """Between a staged leg or chunk (core/staging.py, position i for pages[i]) and
@@ -104,8 +113,8 @@ class MappedKV:
 
 @dataclass(eq=False)
 class Staging:
-    """The decode daemon's staging buffer (core/staging.py): shared memory registered with
-    its transfer engines, and the extents taken in it."""
+    """A daemon's staging buffer (core/staging.py): shared memory registered with its
+    transfer engines, and the extents taken in it."""
 
     memory: object  # memory.SharedMemory
 

@@ -17,9 +17,9 @@ from ..core import errors, paths
 from ..core.errors import PdxferError
 from ..core.plan import (Blocks, check_capacity, check_memory_version, check_pages, check_positions, chunk_pages, plan_blocks,
                          plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout)
-from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PageOrder, PeerHello, RoomFailed, compat_diff
+from ..core.protocol import AuxRecord, Compat, ErrorCode, KVRegion, LaneInfo, LegRequest, LegWritten, Message, PeerHello, RoomFailed, compat_diff
 from ..core.rooms import Event, Room
-from ..core.staging import StagedLayout, slice_span, worth_staging
+from ..core.staging import StagedLayout
 from ..core.stamp import HEADER_BYTES, stamp_for
 from ..core.topology import leg_layers, room_of
 from ..transport import Job
@@ -213,23 +213,13 @@ class RoomWrites:
             layout = self._staged_layout(self.lane_of(room), req, lane, w.dst_pages.size)
             return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
                                       kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at, layout), None
-        if self._worth_gathering(kv, req, lane):
+        if self.staging is not None and req.head_count and kv.worth_staging(req.head_count, lane.heads_local, self.config.protocol):
             gathered = self._gather(kv, req, lane, theirs, layers, src, dst)
             if gathered is not None:
                 return gathered
         heads = (req.src_head_start, req.head_count, req.dst_head_start) if req.head_count else (0, kv.spec.heads.local, 0)
         return plan_leg_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.region_bases, lane.heads_local,
                                kv.spec.page_size, kv.spec.page_order, *heads, layers, src, dst), None
-
-    def _worth_gathering(self, kv, req: LegRequest, lane: LaneInfo) -> bool:
-        """A leg whose destination is every head of the decode rank's pages and whose source
-        a slice of ours (decode TP above ours) gains from gathering (core/staging.py)."""
-        spec = kv.spec
-        if self.staging is None or not req.head_count:
-            return False
-        span = min(slice_span(r.page_bytes, spec.heads.local, req.head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
-                   for r in kv.regions)
-        return worth_staging(req.head_count, lane.heads_local, spec.heads.local, kv.kind == "shm", span, self.config.protocol)
 
     def _gather(self, kv, req: LegRequest, lane: LaneInfo, theirs: tuple[KVRegion, ...], layers: tuple[int, int],
                 src: np.ndarray, dst: np.ndarray) -> tuple[Blocks, int] | None:
