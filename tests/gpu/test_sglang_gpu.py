@@ -79,7 +79,7 @@ def test_an_sglang_shaped_gpu_pool_is_exported_registered_and_moved_room_by_room
                     assert (r.buffer, r.offset) == (k_of[r.layer].buffer, k_of[r.layer].offset + PAGES * PAGE_SIZE * HEADS * HEAD_DIM * 2)
 
         room, src, dst = 9001, list(range(5, 13)), list(range(100, 108))
-        head, tail = src[:4], src[4:]  # the first chunk is the "cached prefix", sent early
+        head, tail = src[:4], src[4:]  # the first chunk is the "cached prefix", sent early; consecutive pages
         gen = torch.Generator(device="cuda").manual_seed(3)
         for t in prefill.tensors:
             t.view(PAGES, -1)[tail] = torch.randn((len(tail), t[0].numel() * PAGE_SIZE), generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -91,11 +91,14 @@ def test_an_sglang_shaped_gpu_pool_is_exported_registered_and_moved_room_by_room
         decode.link.expect(room, f"{host}:{port}", dst, skip_pages=0)
         wait_for(prefill.link, room, RoomState.WAITING_FOR_INPUT)
 
+        # The forward writes its pages through a slice: indexing with a Python list copies
+        # the index from pageable host memory, which waits for the stream (the sleep) first.
+        head_pages = slice(head[0], head[-1] + 1)
         forward = torch.cuda.Stream()
         with torch.cuda.stream(forward):
             torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the pages are written
             for t in prefill.tensors:
-                t.view(PAGES, -1)[head] = torch.randn((len(head), t[0].numel() * PAGE_SIZE), generator=gen, device="cuda", dtype=torch.bfloat16)
+                t.view(PAGES, -1)[head_pages] = torch.randn((len(head), t[0].numel() * PAGE_SIZE), generator=gen, device="cuda", dtype=torch.bfloat16)
             forward_done = torch.cuda.Event()  # SGLang's early-send event: not interprocess
             forward_done.record(forward)
         event, handle = event_after(forward_done, torch.cuda.Stream())
