@@ -4,6 +4,7 @@ asserts on speed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from pdxfer.tools.bench.main import by_repeat, memory_shortfall, planning_figure
 from pdxfer.tools.bench.plan import DEFAULT_PLACEMENT, PLANNING_TIMINGS, Plan, RoomPages, Workload, block_counts, make_plan, page_order, parse_placement, time_planning
 from pdxfer.tools.bench.report import format_report, targets
 from pdxfer.tools.bench.run import RunResult
+from pdxfer.tools.sim import Lockstep, RoomSpec, run_rooms
 
 from .conftest import needs_mooncake, orphan_pool
 
@@ -360,6 +362,38 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
         assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["lanes"] == {"prefill": 1, "decode": 1}
     assert "medium GB/s TP 2:1 >= 0.9x 1:1 (head-major)" in {t["target"] for t in report["targets"]}
     assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)
+
+
+def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_path):
+    """Two ranks of one engine, two rooms in flight: rank 1 holds its first two rooms
+    while rank 0 finishes its own at once. Rank 0 waits for rank 1 before its third,
+    as one scheduler gating on both ranks would; once rank 1 finishes one, both go on."""
+    path = str(tmp_path / "lockstep")
+    np.zeros(2, np.int64).tofile(path)
+    specs = [RoomSpec(i, 100 + i, 16) for i in range(4)]
+    started: dict[int, list[int]] = {0: [], 1: []}
+
+    async def scenario() -> None:
+        holds = {0: asyncio.Event(), 1: asyncio.Event()}
+
+        def ranks_room(rank: int):
+            async def one(spec: RoomSpec) -> None:
+                started[rank].append(spec.index)
+                if rank == 1 and spec.index in holds:
+                    await holds[spec.index].wait()
+            return one
+
+        ranks = [asyncio.create_task(run_rooms(specs, 2, ranks_room(r), Lockstep(path, 2, r))) for r in (0, 1)]
+        await asyncio.sleep(0.05)
+        assert started == {0: [0, 1], 1: [0, 1]}
+        holds[0].set()
+        await asyncio.sleep(0.05)
+        assert started[0] == [0, 1, 2, 3] and started[1] == [0, 1, 2, 3]
+        holds[1].set()
+        await asyncio.wait_for(asyncio.gather(*ranks), 5)
+
+    asyncio.run(scenario())
+    assert np.fromfile(path, np.int64).tolist() == [4, 4]
 
 
 def test_bench_refuses_a_topology_pdxfer_cannot_split():

@@ -122,7 +122,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ] = 5
     expect_batch_ms: Annotated[
         float, _doc("decode: how long a room's request to a prefill daemon waits for the other local ranks of its engine to expect the room too, so one request carries every rank's legs (A5); it leaves at once when they all have", ge=0)
-    ] = 5.0  # ranks of one engine expect a room within a few ms of each other even on a loaded host; waiting costs nothing when they all do
+    ] = 20.0  # ranks of one engine expected a room up to 15 ms apart on a loaded 2-core host; waiting costs nothing when they all do
     max_rooms_per_peer: Annotated[int, _doc("prefill: rooms one decode daemon may hold here at once; more are refused as busy", ge=1)] = 2048
     cluster_secret_file: Annotated[
         str, _doc("file holding the cluster secret; peers must sign every bootstrap message with it (HMAC-SHA256). Empty: no authentication")

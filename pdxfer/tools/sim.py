@@ -16,7 +16,8 @@ own pool holding its share (pdxfer.core.topology) of the model's ``--heads`` KV 
 out ``--page-order``; the pattern is defined over every head, so a decode rank's pages
 are checked against the heads it holds whichever prefill ranks wrote them. A decode rank
 names the prefill engine's TP size (``--prefill-tp``). The defaults are one rank
-holding one head.
+holding one head. With ``--lockstep FILE`` an engine's ranks admit rooms together, as
+the engine's one scheduler would.
 
 For the benchmark, ``--plan FILE`` takes the rooms and both sides' page lists from a
 plan file (pdxfer.tools.bench.plan) instead, and fills the sources and makes every room's
@@ -245,14 +246,40 @@ async def _alloc_slot(client: AsyncClient) -> Slot:
             await asyncio.sleep(exc.retry_after_ms / 1000)
 
 
-async def run_rooms(specs: list[RoomSpec], in_flight: int, one) -> None:
+class Lockstep:
+    """The ranks of one engine admit rooms together, as one scheduler does for all of
+    its TP ranks (SGLang and vLLM gate each step on every rank's state): the ranks
+    share a file of rooms finished per rank, and the room at position i of the list
+    starts once every rank finished i - in_flight + 1. Ranks left to run alone drift
+    apart by whole rooms, and their calls for a room no longer arrive together."""
+
+    POLL_S = 0.0005
+
+    def __init__(self, path: str, ranks: int, rank: int) -> None:
+        self.finished = np.memmap(path, dtype=np.int64, mode="r+", shape=(ranks,))
+        self.rank = rank
+
+    async def admit(self, position: int, in_flight: int) -> None:
+        while int(self.finished.min()) < position - in_flight + 1:
+            await asyncio.sleep(self.POLL_S)
+
+    def finish(self) -> None:
+        self.finished[self.rank] += 1  # only this rank writes its counter
+
+
+async def run_rooms(specs: list[RoomSpec], in_flight: int, one, lockstep: Lockstep | None = None) -> None:
     """``one(spec)`` for every spec, ``in_flight`` at a time, in order: one task per
-    room in flight, not one per room."""
-    queue = iter(specs)
+    room in flight, not one per room; with ``lockstep``, in step with the engine's
+    other ranks."""
+    queue = iter(enumerate(specs))
 
     async def worker() -> None:
-        for spec in queue:
+        for position, spec in queue:
+            if lockstep is not None:
+                await lockstep.admit(position, in_flight)
             await one(spec)
+            if lockstep is not None:
+                lockstep.finish()
 
     await asyncio.gather(*(worker() for _ in range(min(in_flight, len(specs)) or 1)))
 
@@ -296,7 +323,7 @@ async def run_prefill(args) -> dict:
             await pages.give(src)
         report.emit("progress", done=sum(outcome.values()))
 
-    await run_rooms(specs, args.in_flight, one)
+    await run_rooms(specs, args.in_flight, one, _lockstep(args))
     cpu = time.process_time() - cpu
     await client.close()
     kv.close()
@@ -392,7 +419,7 @@ async def run_decode(args) -> dict:
             await pages.give(dst)
         report.emit("progress", done=sum(outcome.values()), total=len(specs), bytes=moved, mismatches=mismatches)
 
-    await run_rooms(specs, args.in_flight, one)
+    await run_rooms(specs, args.in_flight, one, _lockstep(args))
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     for spec, dst in to_check:  # planned pages were never reused: check them now, outside the timed rooms
         if not check(spec, dst):
@@ -417,6 +444,10 @@ async def run_decode(args) -> dict:
         "p90_ms": float(np.percentile(lat, 90)),
         "p99_ms": float(np.percentile(lat, 99)),
     }
+
+
+def _lockstep(args) -> Lockstep | None:
+    return Lockstep(args.lockstep, args.tp, args.rank) if args.lockstep else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -454,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-on-stdin", action="store_true",
                    help="after the 'ready' line, wait for a line on stdin before the first room (the benchmark samples "
                    "the daemons in between)")
+    p.add_argument("--lockstep", default="", metavar="FILE",
+                   help="admit rooms in step with the engine's other ranks, as one scheduler does: FILE holds --tp int64 "
+                   "zeros, shared by the ranks (the benchmark makes it)")
     p.add_argument("--corrupt", action="store_true",
                    help="decode, testing aid: flip one destination byte of the first successful room before it is checked")
     return p

@@ -299,6 +299,10 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         for side, ranks in names.items():
             extra = ["--bootstrap", daemons["prefill"].bootstrap, "--prefill-tp", str(w.prefill_tp),
                      *(["--corrupt"] if opts.corrupt else [])] if side == "decode" else []
+            if len(ranks) > 1:  # an engine's ranks take rooms together, as its scheduler would have them
+                lockstep = os.path.join(runtime, f"{side}.lockstep")
+                np.zeros(len(ranks), np.int64).tofile(lockstep)
+                extra += ["--lockstep", lockstep]
             for rank, name in enumerate(ranks):
                 sims[name] = _spawn(
                     sim_argv(side, daemons[side].engine, *flags, "--token-bytes", str(plan.rank_layout(side).token_bytes),
