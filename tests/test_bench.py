@@ -279,7 +279,7 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
         assert wl["systems"]["pdxfer"]["median"]["rss_idle_mib"] > 0
     unmeasured = {t["target"] for t in report["targets"] if t["met"] is None}
     assert unmeasured == {"small rooms/s >= 5000, 64 in flight"}  # no point of this tiny run has 64 in flight
-    assert report["box"]["pdxfer_normal_policy_why"] == cpu_yield.unavailable()  # the daemons it started yield where they can
+    assert report["box"]["pdxfer_normal_policy_why"] == cpu_yield.why_not(False, 60.0)  # the daemons it started: the default, no yield
     assert "rooms" in err and "GB/s" in err  # the progress bar, on stderr
     # What the daemons did, not only what they were set to do: a run whose daemons left
     # SCHED_IDLE is named under its workload.

@@ -223,7 +223,7 @@ def _policies(pid: int) -> dict[int, int]:
 @pytest.mark.integration
 def test_a_daemon_yields_its_own_threads_and_leaves_the_transfer_engines_alone(daemons):
     port = free_port()
-    d = daemons("decode", "--http-port", str(port))
+    d = daemons("decode", "--http-port", str(port), "--yield-cpu")
     pid = d.ready["pid"]
     policies = _policies(pid)
     assert policies[pid] == os.SCHED_IDLE  # the event loop
@@ -231,7 +231,7 @@ def test_a_daemon_yields_its_own_threads_and_leaves_the_transfer_engines_alone(d
     assert value(scrape(port), "pdxfer_cpu_yielding") == 1
 
     port = free_port()
-    d = daemons("decode", "--http-port", str(port), "--no-yield-cpu", name="normal")
+    d = daemons("decode", "--http-port", str(port), name="normal")  # the default: no yield
     assert set(_policies(d.ready["pid"]).values()) == {os.SCHED_OTHER}
     assert value(scrape(port), "pdxfer_cpu_yielding") == 0
 
@@ -247,7 +247,7 @@ def test_a_daemon_starved_by_another_process_on_its_core_takes_the_cores_back(da
     3-36% of each second: too little to tell the rule for idle daemons apart, which
     the pure tests cover.)"""
     port = free_port()
-    d = daemons("decode", "--http-port", str(port))
+    d = daemons("decode", "--http-port", str(port), "--yield-cpu")
     pid = d.ready["pid"]
     core = min(os.sched_getaffinity(pid))
     for tid in _policies(pid):
@@ -288,7 +288,8 @@ def test_doctor_says_whether_daemons_here_yield_and_why_not():
 
     s = hostchecks.Settings(role="decode", protocol="tcp", device="cpu", host="127.0.0.1", bootstrap_port=0, http_port=0,
                             runtime_dir="/tmp", name="", rdma_devices="", pool_bytes=0)
-    assert hostchecks.check_cpu_yield(hostchecks.Settings(**{**s.__dict__, "yield_cpu": False})).status == "SKIP"
+    assert hostchecks.check_cpu_yield(s).status == "SKIP"  # off by default
+    s = hostchecks.Settings(**{**s.__dict__, "yield_cpu": True})
     tight = hostchecks.check_cpu_yield(hostchecks.Settings(**{**s.__dict__, "silence_bound": 0.5}))
     assert tight.status == "OK" and "keep the normal policy" in tight.detail and "0.5s of silence" in tight.detail
     here = hostchecks.check_cpu_yield(s)

@@ -76,7 +76,7 @@ def ship(prefill: Client, decode: Client, room: int, bootstrap: str, src=(1, 2),
 
 def test_daemons_register_and_decode_finds_prefill_by_name(etcd, daemons):
     url, client = etcd
-    prefill = daemons("prefill", "--registry", url, "--registry-ttl", TTL, name="prefill-a")
+    prefill = daemons("prefill", "--registry", url, "--registry-ttl", TTL, "--yield-cpu", name="prefill-a")
     decode = daemons("decode", "--registry", url, "--registry-ttl", TTL, name="decode-a")
     pre = records(client, "prefill")["prefill-a"]
     assert pre["incarnation"] == prefill.ready["incarnation"] and pre["bootstrap"] == prefill.bootstrap

@@ -104,8 +104,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         bool,
         _doc("once the transfer engine has started, run this daemon's own threads (event loop, pump, ZMQ) under SCHED_IDLE "
              "so that the engine's threads get a core the moment they wake; only where the daemon can take the cores "
-             "back (CAP_SYS_NICE, or RLIMIT_NICE 20), which it does while other processes starve its event loop"),
-    ] = True
+             "back (CAP_SYS_NICE, or RLIMIT_NICE 20), which it does while other processes starve its event loop. Off by "
+             "default: beside busy engines a yielding daemon waits for a core at every hand-off"),
+    ] = False
     max_message_bytes: Annotated[int, _doc("largest engine or peer message accepted, in bytes", ge=4096)] = 64 * 1024 * 1024
     engine_queue: Annotated[int, _doc("ZMQ messages queued per engine or admin socket before further ones are refused or dropped (the high-water mark); each carries up to 8 of ours, more when a sender batches more. A bootstrap connection queues up to twice max_message_bytes instead", ge=1)] = 4096
     bootstrap_timeout: Annotated[float, _doc("seconds a room may stay Bootstrapping", gt=0)] = 30.0

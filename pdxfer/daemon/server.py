@@ -150,7 +150,9 @@ class Daemon:
     def _yield_cpu(self) -> None:
         """From now on the threads this daemon starts, and its loop, yield the cores to
         the transfer engine's (cpu_yield.py), where it can take them back."""
-        why = cpu_yield.why_not(self.config.yield_cpu, self.config.silence_bound)
+        if not self.config.yield_cpu:
+            return
+        why = cpu_yield.why_not(True, self.config.silence_bound)
         if why:
             log.info("the daemon's threads keep the normal CPU policy (--yield-cpu): %s", why)
             return

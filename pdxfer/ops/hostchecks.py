@@ -51,7 +51,7 @@ class Settings:
     name: str
     rdma_devices: str
     pool_bytes: int
-    yield_cpu: bool = True
+    yield_cpu: bool = False
     silence_bound: float = 5.0  # Config.silence_bound
 
 
@@ -215,11 +215,10 @@ def check_cpu_yield(s: Settings) -> Check:
     from ..host import cpu_yield
 
     if not s.yield_cpu:
-        return Check("cpu yield", "SKIP", "--no-yield-cpu: the daemon's threads keep the normal policy")
+        return Check("cpu yield", "SKIP", "not asked for (--yield-cpu): the daemon's threads keep the normal policy")
     why = cpu_yield.why_not(True, s.silence_bound)
     if why:
-        advice = ("; with CAP_SYS_NICE they would yield the cores to the transfer engine (~15-25% more GB/s on hosts whose "
-                  "cores it fills)") if "CAP_SYS_NICE" in why else ""
+        advice = "; with CAP_SYS_NICE they would yield the cores to the transfer engine" if "CAP_SYS_NICE" in why else ""
         return Check("cpu yield", "OK", f"daemons here keep the normal policy for their own threads: {why}{advice}")
     return Check("cpu yield", "OK", "daemons here run their own threads under SCHED_IDLE once the transfer engine has started, "
                  "and can take the cores back (CAP_SYS_NICE or RLIMIT_NICE)")
