@@ -107,8 +107,15 @@ class RoomService:
         self.heartbeat_misses = 0
         self.bytes_received = 0  # decode: KV and aux bytes of rooms that succeeded
         self.kv_inline_rooms = self.kv_inline_bytes = 0  # prefill: rooms whose KV rode their aux record, and its bytes
+        self.staging = None  # prefill and decode: their staging buffer (pools.Staging), if they have one
         self._last_tick = 0.0
         self.draining = False  # shutting down, no new rooms: a flag the daemon raises through start_draining
+
+    @property
+    def staging_full(self) -> int:
+        """Legs (decode) or chunks (prefill) that would have gained from a staging extent
+        but found none free, so wrote between the pages."""
+        return self.staging.full if self.staging is not None else 0
 
     # --- engine conversation
 

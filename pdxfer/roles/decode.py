@@ -115,7 +115,6 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         self.staging = staging  # where legs between ranks of different TP land first (core/staging.py); None: nowhere
         self.staged: dict[tuple[int, int], StagedExtent] = {}  # (room key, leg code): its extent, until fenced
         self.staged_legs = 0  # legs given an extent
-        self.staging_full = 0  # legs that would have gained from one, written into their pages since none was free
 
     # --- engine side
 

@@ -76,10 +76,8 @@ class RoomRequests:
             key = room_key(request.room, decode_rank_of(leg.leg))
             state = self.work[key].legs[leg.leg] if key in self.work else None
             if state is not None and state.stage_layout is not None:
-                offset = self.staging.arena.take(state.stage_layout.nbytes)
-                if offset is None:
-                    self.staging_full += 1
-                else:
+                offset = self.staging.take(state.stage_layout.nbytes)
+                if offset is not None:
                     self.staged[(key, leg.leg)] = StagedExtent(offset, link.endpoint, link.epoch)
                     self.staged_legs += 1
                     leg = state.request = msgspec.structs.replace(leg, staged_at=self.staging.base + offset)

@@ -3,6 +3,7 @@ daemon, with the region arithmetic and slot allocator that go with them."""
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from ..core.staging import StagedLayout, StagingArena, slice_span, worth_staging
 from ..core.topology import rank_code
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
+
+log = logging.getLogger("pdxfer.staging")
 
 
 @dataclass(eq=False)
@@ -120,6 +123,23 @@ class Staging:
 
     def __post_init__(self) -> None:
         self.arena = StagingArena(self.memory.size)
+        self.full = 0  # legs or chunks that would have gained from an extent but found none free
+        self.largest_refused = 0  # bytes of the largest one that could never fit, 0 if none
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of a free extent of ``nbytes``, or None (counted): the caller then
+        writes between the pages. One larger than the whole buffer is logged, with the
+        size that would hold it, each time one larger than any before comes."""
+        offset = self.arena.take(nbytes)
+        if offset is None:
+            self.full += 1
+            if nbytes > self.arena.size and nbytes > self.largest_refused:
+                self.largest_refused = nbytes
+                log.warning("a leg of %.1f MiB cannot be staged in the %d MiB staging buffer, so it writes between the pages "
+                            "(a block per page or per token, far slower for slices under 16 KiB); start the daemon with "
+                            "--staging-mib %d or more to stage legs this large", nbytes / 2**20, self.arena.size >> 20,
+                            -(-nbytes // 2**20) * 2)
+        return offset
 
     @property
     def base(self) -> int:

@@ -90,7 +90,6 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
         self.staging = staging  # where a leg's slices are gathered before they are written (core/staging.py); None: nowhere
         self.gathered: dict[Job, int] = {}  # a chunk's job: the extent it is written from, until its writes settled
         self.staged_chunks = 0  # chunks written from an extent
-        self.staging_full = 0  # chunks that would have gained from one, written from the pages since none was free
         # Peer messages that arrived before the engine registered, replayed after.
         self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
         self._early_bytes = 0

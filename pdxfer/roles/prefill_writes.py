@@ -226,9 +226,8 @@ class RoomWrites:
         """A chunk's slices gathered into an extent of our staging buffer, and its blocks
         from there: runs of destination pages, one block each. None when no extent is free."""
         layout = staged_layout(kv.regions, theirs, lane.heads_local, req.head_count, layers, src.size)
-        offset = self.staging.arena.take(layout.nbytes)
+        offset = self.staging.take(layout.nbytes)
         if offset is None:
-            self.staging_full += 1
             return None
         try:
             blocks = plan_from_staging(kv.regions, theirs, lane.region_bases, lane.heads_local, kv.spec.page_size, kv.spec.page_order,

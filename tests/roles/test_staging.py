@@ -114,6 +114,17 @@ def test_a_leg_finding_the_buffer_full_writes_into_the_pages():
     assert (service.staged_legs, service.staging_full) == (1, 1)
 
 
+def test_a_leg_larger_than_the_whole_buffer_names_the_size_that_would_hold_it(caplog):
+    staging = Staging(_Memory(2 << 20))
+    assert staging.take(5 << 20) is None
+    assert staging.take((5 << 20) - 1) is None  # no larger than the last one told: not said again
+    assert staging.take(ALIGN) == 0  # a leg that fits still gets its extent
+    assert staging.take(2 << 20) is None  # fits the buffer, not what is left of it: full, not too large
+    assert staging.full == 3
+    told = [r.getMessage() for r in caplog.records if r.name == "pdxfer.staging"]
+    assert len(told) == 1 and "5.0 MiB" in told[0] and "2 MiB staging buffer" in told[0] and "--staging-mib 10 or more" in told[0]
+
+
 def test_an_extent_is_held_after_its_room_failed_until_the_prefill_says_nothing_can_land():
     service = staging_decode()
     expect(service, 7)
