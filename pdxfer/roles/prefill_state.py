@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.protocol import LaneInfo, LegRequest, PeerHello
+from ..core.staging import StagedLayout
 from ..transport import Job, Peer
 
 
@@ -68,6 +69,7 @@ class PrefillWork:
     request: LegRequest | None = None  # this rank's leg of the room request
     lease_ms: int = 0  # the request's lease
     dst_pages: np.ndarray | None = None
+    staged_layout: StagedLayout | None = None  # a staged leg: where it lies in its extent of the decode's buffer, once checked
     started: bool = False  # both halves were in and checked: chunks are written as they come
     kept: list[np.ndarray] = field(default_factory=list)  # source pages written (positions the decode skips dropped), in order
     written: int = 0  # destination pages written: the first ``written`` of dst_pages

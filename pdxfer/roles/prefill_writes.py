@@ -59,7 +59,7 @@ class RoomWrites:
         try:
             if peer is None:
                 raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
-            self._destination(self.lane_of(room), w.request, w.dst_pages, peer, room_of(room.id))
+            _, w.staged_layout = self._destination(self.lane_of(room), w.request, w.dst_pages, peer, room_of(room.id))
             check_positions(w.first, w.end, req.skip_pages, w.dst_pages.size, req.num_draft_tokens, False, room_of(room.id))
             inline = self._inline(room, w, kv, peer.hello) if req.real and _whole(req) else None
         except PdxferError as exc:
@@ -86,9 +86,11 @@ class RoomWrites:
         w.lease_end = min(now + self._lease(w), leave)
         self._write_chunks(room, w)
 
-    def _destination(self, local: Lane, req: LegRequest, dst_pages: np.ndarray, peer: DecodePeer, room_id: int) -> LaneInfo:
+    def _destination(self, local: Lane, req: LegRequest, dst_pages: np.ndarray, peer: DecodePeer,
+                     room_id: int) -> tuple[LaneInfo, StagedLayout | None]:
         """The decode rank's memory a leg of ours (``local``'s) writes into, checked against
-        the leg (C2, C3) and against our own layout."""
+        the leg (C2, C3) and against our own layout; and where a staged leg lies in its
+        extent of the decode's staging buffer (None: not staged)."""
         lane = peer.lanes.get(req.lane)
         if lane is None:
             raise errors.BadMessage(f"the decode daemon's request names its lane {req.lane}, which its hello does not list", room=room_id, side=errors.Side.PEER)
@@ -96,8 +98,7 @@ class RoomWrites:
         check_pages(dst_pages, lane.num_pages, "destination", room_id)
         if req.carries_aux and req.slot >= lane.aux_slots:
             raise errors.PageOutOfRange(f"destination aux slot {req.slot} is out of range: the peer has slots 0..{lane.aux_slots - 1}", room=room_id)
-        if req.staged_at:
-            self._check_staged(local, req, lane, dst_pages.size, peer, room_id)
+        staged = self._check_staged(local, req, lane, dst_pages.size, peer, room_id) if req.staged_at else None
         kv = local.registered_kv()
         ours, theirs = local.compat(), lane.compat
         if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
@@ -114,23 +115,24 @@ class RoomWrites:
                 room=room_id, code=ErrorCode.COMPAT_MISMATCH)
         if diff:
             raise PdxferError(f"incompatible KV layout: {'; '.join(diff)}", room=room_id, code=ErrorCode.COMPAT_MISMATCH)
-        return lane
+        return lane, staged
 
     @staticmethod
-    def _staged_layout(local: Lane, req: LegRequest, lane: LaneInfo, positions: int) -> StagedLayout:
-        kv = local.registered_kv()
-        return staged_layout(kv.regions, _regions_of(lane), lane.heads_local, req.head_count, leg_layers(req.layers, kv.spec.num_layers_total), positions)
-
-    def _check_staged(self, local: Lane, req: LegRequest, lane: LaneInfo, positions: int, peer: DecodePeer, room_id: int) -> None:
-        """A staged leg's extent lies inside the decode daemon's staging buffer (C2)."""
+    def _check_staged(local: Lane, req: LegRequest, lane: LaneInfo, positions: int, peer: DecodePeer, room_id: int) -> StagedLayout:
+        """Where a staged leg lies in its extent, which must lie inside the decode daemon's
+        staging buffer (C2)."""
         hello = peer.hello
         if not req.head_count:
             raise errors.BadMessage("the decode daemon asked for whole pages to be staged", room=room_id, side=errors.Side.PEER)
-        nbytes = self._staged_layout(local, req, lane, positions).nbytes
+        kv = local.registered_kv()
+        layout = staged_layout(kv.regions, _regions_of(lane), lane.heads_local, req.head_count,
+                               leg_layers(req.layers, kv.spec.num_layers_total), positions)
+        nbytes = layout.nbytes
         if req.staged_at < hello.staging_base or req.staged_at + nbytes > hello.staging_base + hello.staging_bytes:
             raise errors.PageOutOfRange(
                 f"staged leg [{req.staged_at:#x}, +{nbytes}) is outside the decode daemon's staging buffer "
                 f"[{hello.staging_base:#x}, +{hello.staging_bytes})", room=room_id)
+        return layout
 
     def _inline(self, room: Room, w: PrefillWork, kv, dst_hello: PeerHello) -> tuple[np.ndarray, int] | None:
         """A room handed over in one chunk whose KV is small enough to ride its aux record:
@@ -209,10 +211,10 @@ class RoomWrites:
         if _whole(req):
             return plan_blocks(kv.regions, kv.bases, lane.region_bases, src, dst), None
         theirs, layers = _regions_of(lane), leg_layers(req.layers, kv.spec.num_layers_total)
-        if req.staged_at:
-            layout = self._staged_layout(self.lane_of(room), req, lane, w.dst_pages.size)
+        if w.staged_layout is not None:
             return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
-                                      kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at, layout), None
+                                      kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at,
+                                      w.staged_layout), None
         if self.staging is not None and req.head_count and kv.worth_staging(req.head_count, lane.heads_local, self.config.protocol):
             gathered = self._gather(kv, req, lane, theirs, layers, src, dst)
             if gathered is not None:
