@@ -207,7 +207,9 @@ def test_a_decode_daemon_tells_a_prefill_that_proves_no_secret_nothing(daemons, 
         dc.expect(9, impostor.address, [1, 2], dc.alloc_slot())
         status = dc.wait(9, timeout=ImpostorPrefill.QUIET + 10 + SLACK)
         failed_at = time.monotonic()
-        answer, before, after, replied = impostor.connections[0]
+        # The impostor records the connection once the daemon closed it (or 5 s passed),
+        # which may come after the room failed.
+        answer, before, after, replied = wait_until(lambda: impostor.connections, 5 + SLACK, "the impostor's record of its connection")[0]
         assert before == b"", f"the decode daemon sent {len(before)} bytes before the prefill proved the secret: {before[:200]!r}"
         assert after == b"", f"the decode daemon sent {len(after)} bytes after a reply that proves nothing: {after[:200]!r}"
         assert len(answer) == 3 and answer[0] == decode.ready["incarnation"].encode(), answer
