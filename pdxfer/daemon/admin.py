@@ -120,7 +120,7 @@ def info(daemon, req: int = 0) -> InfoReply:
         counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full))
     else:
         counters.update(chunks_gathered=float(service.staged_chunks), staging_full=float(service.staging_full))
-    counters["staging_taken_bytes"] = float(service.staging.arena.taken_bytes if service.staging else 0)
+    counters["staging_taken_bytes"] = float(service.staging_taken_bytes)
     waiting = not_ready(daemon)
     return InfoReply(
         req=req, role=cfg.role, name=cfg.instance, incarnation=daemon.incarnation, version=PROTOCOL_VERSION,

@@ -117,6 +117,11 @@ class RoomService:
         but found none free, so wrote between the pages."""
         return self.staging.full if self.staging is not None else 0
 
+    @property
+    def staging_taken_bytes(self) -> int:
+        """Bytes of the staging buffer held by legs or chunks now."""
+        return self.staging.arena.taken_bytes if self.staging is not None else 0
+
     # --- engine conversation
 
     def on_engine(self, identity: bytes, raw: bytes) -> Message | Awaitable[Message] | None:

@@ -136,7 +136,7 @@ class Staging:
             if nbytes > self.arena.size and nbytes > self.largest_refused:
                 self.largest_refused = nbytes
                 log.warning("a leg of %.1f MiB cannot be staged in the %d MiB staging buffer, so it writes between the pages "
-                            "(a block per page or per token, far slower for slices under 16 KiB); start the daemon with "
+                            "(a block per page or per token, far slower for the short slices that are staged); start the daemon with "
                             "--staging-mib %d or more to stage legs this large", nbytes / 2**20, self.arena.size >> 20,
                             -(-nbytes // 2**20) * 2)
         return offset

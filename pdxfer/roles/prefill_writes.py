@@ -235,7 +235,7 @@ class RoomWrites:
             blocks = plan_from_staging(kv.regions, theirs, lane.region_bases, lane.heads_local, kv.spec.page_size, kv.spec.page_order,
                                        req.head_count, req.dst_head_start, layers, dst, self.staging.base + offset, layout)
         except PdxferError:
-            self.staging.arena.give(offset)
+            self._give_extent(offset)
             raise
         kv.copy_heads(self.staging.extent(offset, layout.nbytes), layout, layers, req.src_head_start, req.head_count, src, into_pages=False)
         self.staged_chunks += 1
