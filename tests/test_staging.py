@@ -11,21 +11,28 @@ from hypothesis import strategies as st
 
 from pdxfer.core.plan import plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout
 from pdxfer.core.protocol import Heads, KVRegion, KVSpec, PageOrder, RegionKind
-from pdxfer.core.staging import ALIGN, StagingArena, slice_span, worth_staging
+from pdxfer.core.staging import ALIGN, StagingArena, slice_span, stage_spans_below, worth_staging
 from pdxfer.roles.pools import MappedKV
 
 
 def test_worth_staging_only_a_whole_rank_against_short_spans_of_a_slice_in_host_pages():
-    small = 1024
+    small, tcp = 1024, stage_spans_below("tcp")
     # TP2 -> TP1 at the decode (every head of the prefill rank, a slice of the decode's), TP1 -> TP2 at the prefill.
-    assert worth_staging(head_count=4, whole_heads=4, sliced_heads=8, host_memory=True, span=small, protocol="tcp")
-    assert not worth_staging(4, 4, 8, False, small, "tcp")  # a device pool: the daemon copies with the CPU
-    assert not worth_staging(4, 4, 4, True, small, "tcp")  # equal TP: whole pages already
-    assert not worth_staging(2, 4, 8, True, small, "tcp")  # a slice on both sides (replicated heads): no runs to keep
-    assert not worth_staging(0, 4, 8, True, small, "tcp")  # a dummy leg
+    assert worth_staging(head_count=4, whole_heads=4, sliced_heads=8, host_memory=True, span=small, below=tcp)
+    assert not worth_staging(4, 4, 8, False, small, tcp)  # a device pool: the daemon copies with the CPU
+    assert not worth_staging(4, 4, 4, True, small, tcp)  # equal TP: whole pages already
+    assert not worth_staging(2, 4, 8, True, small, tcp)  # a slice on both sides (replicated heads): no runs to keep
+    assert not worth_staging(0, 4, 8, True, small, tcp)  # a dummy leg
     # A span a block costs little to write goes straight into the pages: long ones over TCP, all but short ones over RDMA.
-    assert worth_staging(4, 4, 8, True, 12 * 1024, "tcp") and not worth_staging(4, 4, 8, True, 64 * 1024, "tcp")
-    assert worth_staging(4, 4, 8, True, small, "rdma") and not worth_staging(4, 4, 8, True, 12 * 1024, "rdma")
+    assert worth_staging(4, 4, 8, True, 12 * 1024, tcp) and not worth_staging(4, 4, 8, True, 64 * 1024, tcp)
+    rdma = stage_spans_below("rdma")
+    assert worth_staging(4, 4, 8, True, small, rdma) and not worth_staging(4, 4, 8, True, 12 * 1024, rdma)
+
+
+def test_an_operators_span_limit_stands_in_for_the_measured_one():
+    assert stage_spans_below("tcp", 128) == 128 * 1024 and stage_spans_below("rdma", 128) == 128 * 1024
+    assert stage_spans_below("tcp", 0) == stage_spans_below("tcp") == 16 * 1024
+    assert worth_staging(4, 4, 8, True, 64 * 1024, stage_spans_below("tcp", 128))
 
 
 def test_a_slices_span_is_the_whole_slice_head_major_and_one_tokens_token_major():

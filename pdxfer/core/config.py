@@ -21,6 +21,7 @@ import msgspec
 from .liveness import Heartbeats
 from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
+from .staging import stage_spans_below
 
 ENV_PREFIX = "PDXFER_"
 # Read by engines beside a daemon (their daemon's engine endpoint, pdxfer.adapters), never
@@ -143,6 +144,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
              "token, token-major), where the spans are short for the transport; host-memory pools only. A leg or "
              "chunk finding no room writes between the pages. 0: none", ge=0, le=64 * 1024),
     ] = 64
+    stage_spans_below_kib: Annotated[
+        int,
+        _doc("stage (see --staging-mib) only slices whose contiguous spans are shorter than this many KiB: a slice "
+             "of a head-major page is one span, of a token-major page one per token. 0: as measured for the protocol "
+             "(16 over tcp, 8 otherwise; core/staging.py)", ge=0, le=64 * 1024),
+    ] = 0
     verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
     visibility_grace: Annotated[
         float, _doc("seconds the decode side re-checks an aux stamp or KV digest that does not match yet, before failing the room", ge=0)
@@ -152,6 +159,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ] = ""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
+
+    @property
+    def stage_spans_below(self) -> int:
+        """Bytes under which a slice's spans are staged (core/staging.stage_spans_below)."""
+        return stage_spans_below(self.protocol, self.stage_spans_below_kib)
 
     @property
     def heartbeats(self) -> Heartbeats:

@@ -68,13 +68,18 @@ def slice_bytes(page_bytes: Sequence[int], heads: int, head_count: int) -> tuple
     return tuple(size * head_count // heads for size in page_bytes)
 
 
-def worth_staging(head_count: int, whole_heads: int, sliced_heads: int, host_memory: bool, span: int, protocol: str) -> bool:
+def stage_spans_below(protocol: str, kib: int = 0) -> int:
+    """Bytes under which a slice's spans are staged: ``kib`` KiB where an operator set
+    it (--stage-spans-below-kib), else what was measured for ``protocol``."""
+    return kib * 1024 if kib else STAGE_SPANS_BELOW.get(protocol, STAGE_SPANS_BELOW_DEFAULT)
+
+
+def worth_staging(head_count: int, whole_heads: int, sliced_heads: int, host_memory: bool, span: int, below: int) -> bool:
     """Whether the sliced side of a leg gains from staging: the leg is every head of one
     side's rank (``whole_heads``), whose runs of pages then stay whole, and a slice of
-    the other side's ``sliced_heads``, whose spans of ``span`` bytes would cost
-    ``protocol`` more to write one by one than the copy (STAGE_SPANS_BELOW). The sliced
-    side's pool must be host memory: its daemon copies the slices with the CPU."""
-    below = STAGE_SPANS_BELOW.get(protocol, STAGE_SPANS_BELOW_DEFAULT)
+    the other side's ``sliced_heads``, whose spans of ``span`` bytes would cost more to
+    write one by one than the copy (shorter than ``below``, stage_spans_below). The
+    sliced side's pool must be host memory: its daemon copies the slices with the CPU."""
     return host_memory and 0 < head_count == whole_heads < sliced_heads and span < below
 
 

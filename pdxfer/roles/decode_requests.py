@@ -61,7 +61,7 @@ class RoomRequests:
         """Where a leg would lie in an extent of the staging buffer, if it gains from one (core/staging.py)."""
         kv = lane.registered_kv()
         spec = kv.spec
-        if self.staging is None or not leg.real or not kv.worth_staging(leg.head_count, _prefill_heads(spec, msg), self.config.protocol):
+        if self.staging is None or not leg.real or not kv.worth_staging(leg.head_count, _prefill_heads(spec, msg), self.config.stage_spans_below):
             return None
         return staged_layout(kv.regions, kv.regions, spec.heads.local, leg.head_count, leg_layers(leg.layers, spec.num_layers_total), positions)
 

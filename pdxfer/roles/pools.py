@@ -71,14 +71,14 @@ class MappedKV:
         views = [memoryview(mapping.array) for mapping in self.buffers]
         return [(views[r.buffer], r.offset + p * r.page_bytes, r.page_bytes) for r in self.regions for p in indices]
 
-    def worth_staging(self, head_count: int, whole_heads: int, protocol: str) -> bool:
+    def worth_staging(self, head_count: int, whole_heads: int, below: int) -> bool:
         """Whether ``head_count`` of this rank's heads, every head of the other side's rank
         (``whole_heads``), are worth staging here (core/staging.worth_staging), given the
         shortest span such a slice has in any of its regions."""
         spec = self.spec
         span = min(slice_span(r.page_bytes, spec.heads.local, head_count, spec.page_size, spec.page_order is PageOrder.HEAD_MAJOR)
                    for r in self.regions)
-        return worth_staging(head_count, whole_heads, spec.heads.local, self.kind == "shm", span, protocol)
+        return worth_staging(head_count, whole_heads, spec.heads.local, self.kind == "shm", span, below)
 
     def copy_heads(self, staged: np.ndarray, layout: StagedLayout, layers: tuple[int, int], head_start: int,
                    head_count: int, pages: np.ndarray, into_pages: bool) -> None:

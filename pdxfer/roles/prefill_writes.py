@@ -215,7 +215,7 @@ class RoomWrites:
             return plan_staged_blocks(kv.regions, kv.bases, kv.spec.heads.local, theirs, lane.heads_local, kv.spec.page_size,
                                       kv.spec.page_order, req.src_head_start, req.head_count, layers, src, dst, req.staged_at,
                                       w.staged_layout), None
-        if self.staging is not None and req.head_count and kv.worth_staging(req.head_count, lane.heads_local, self.config.protocol):
+        if self.staging is not None and req.head_count and kv.worth_staging(req.head_count, lane.heads_local, self.config.stage_spans_below):
             gathered = self._gather(kv, req, lane, theirs, layers, src, dst)
             if gathered is not None:
                 return gathered

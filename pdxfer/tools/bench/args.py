@@ -202,6 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode daemon's --staging-mib: its buffer for legs from prefill ranks holding fewer KV heads, "
                    "which then write runs of whole pages instead of a slice per page; 0 writes into the pages "
                    "(default: the daemon's default)")
+    g.add_argument("--stage-spans-below-kib", type=int, default=None, metavar="KIB",
+                   help="both daemons' --stage-spans-below-kib: slices whose spans are shorter are staged (default: the "
+                   "daemons' default, as measured for the protocol)")
     g.add_argument("--aux-path", choices=["auto", "tcp", "transfer_engine"], default="auto",
                    help="the pdxfer daemons' --aux-path (default: auto, which is tcp here)")
     g.add_argument("--plan-indices", type=int, default=1_000_000, metavar="N",
