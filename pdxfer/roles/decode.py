@@ -506,6 +506,12 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         resumes. Only a proof fences (see the module docstring)."""
         return math.inf
 
+    def fenced(self, room: Room) -> None:
+        w = self.work.get(room.id)
+        if w is not None and w.copies:  # its last copy out of the staging buffer calls this again
+            return
+        super().fenced(room)
+
     def stop_writes(self, room: Room) -> bool:
         w = self.work.get(room.id)
         if w is None:
@@ -518,7 +524,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         if link is not None:
             self._withdraw(link, room)
         if w.peer_fenced:
-            return True
+            return not w.copies  # a copy still writing its pages fences it when it ends
         # Its RoomFailed(fenced) replies, its restart, or a cut fences us; nothing else.
         if link is not None and room.slot >= 0:
             waiting = frozenset(code for code, leg in w.legs.items() if not leg.peer_fenced)

@@ -79,6 +79,7 @@ class DecodeWork:
     legs: dict[int, LegState]  # by leg code
     epoch: int = 0  # its link's epoch when it was asked for
     started: float = 0.0  # when we learnt the prefill began writing
+    copies: int = 0  # staged legs being copied into its pages beside the loop: it is not fenced before they end
 
     @property
     def peer_fenced(self) -> bool:

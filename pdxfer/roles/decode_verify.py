@@ -73,12 +73,12 @@ class RoomVerification:
         if (room.id, msg.leg) in self.staged:  # once: its record says every write completed
             try:
                 self._check_written_pages(room, w, msg)
-                self._land_staged(room, w, leg, msg.kv_pages)
             except PdxferError as exc:
+                self._unstage(room.id, msg.leg)
                 self.fail(room, exc.code, exc.message)
                 return
-            finally:
-                self._unstage(room.id, msg.leg)
+            self._copy_staged(endpoint, room, w, leg, msg)
+            return
         try:
             if isinstance(msg, AuxRecord) and msg.via_transfer_engine:  # else this daemon wrote the stamp itself, after verifying it
                 aux = self._aux(room)
@@ -109,12 +109,30 @@ class RoomVerification:
                 if other.request.real:
                     self.port.send_link(endpoint, RoomAck(room=room_of(room.id), leg=code))
 
-    def _land_staged(self, room: Room, w: DecodeWork, leg: LegState, count: int) -> None:
-        """Copy a staged leg's first ``count`` positions from its extent into the room's pages."""
+    def _copy_staged(self, endpoint: str, room: Room, w: DecodeWork, leg: LegState, msg: AuxRecord | LegWritten) -> None:
+        """Copy a staged leg from its extent into the heads of the room's pages on a worker
+        thread, then check the rest of what landed. The copy owns the extent until it
+        ends, and the room is not fenced before (a failed room's pages are still written)."""
         kv, req, layout = self._kv(room), leg.request, leg.stage_layout
-        extent = self.staging.extent(self.staged[(room.id, req.leg)].offset, layout.nbytes)
-        kv.copy_heads(extent, layout, leg_layers(req.layers, kv.spec.num_layers_total), req.dst_head_start, req.head_count,
-                      w.pages[:count], into_pages=True)
+        offset = self.staged.pop((room.id, req.leg)).offset
+        extent = self.staging.extent(offset, layout.nbytes)
+        layers, pages = leg_layers(req.layers, kv.spec.num_layers_total), w.pages[: msg.kv_pages]
+        w.copies += 1
+
+        def copy() -> None:
+            kv.copy_heads(extent, layout, layers, req.dst_head_start, req.head_count, pages, into_pages=True)
+
+        def copied(error: BaseException | None) -> None:
+            self.staging.arena.give(offset)
+            w.copies -= 1
+            if error is not None:
+                self.fail(room, ErrorCode.INTERNAL, f"copying leg {req.leg:#x} out of the staging buffer failed: {error!r}")
+            elif not room.finished:
+                self._check_landed(endpoint, room, msg)
+            if room.finished and not room.fenced and not w.copies and w.peer_fenced:
+                self.fenced(room)
+
+        self.port.off_loop(copy, copied)
 
     def _leg_page_bytes(self, room: Room, leg: LegRequest) -> int:
         """Bytes a leg writes into one of the room's pages: its layers' regions, its share of the heads."""

@@ -88,6 +88,10 @@ class DecodePort(Port, Protocol):
     def later(self, delay: float, fn: Callable[[], None]) -> object:
         """Call ``fn`` after ``delay`` seconds."""
 
+    def off_loop(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
+        """Run ``work`` on a worker thread beside the event loop (a copy between buffers,
+        which releases the GIL), then call ``done`` on the loop with what it raised, or None."""
+
     def resolve(self, name: str) -> str | None:
         """The bootstrap address of the prefill daemon registered as ``name`` (raises
         PdxferError, unknown_peer, when none is); None when this daemon has no registry."""

@@ -62,6 +62,7 @@ class RecordingPort:
         self.watched: dict[bytes, tuple[int, int]] = {}  # engine connection -> (pid, pid namespace) the role asked to watch
         self.events: list[tuple[bytes, Callable[[str], None]]] = []  # CUDA events a role waits for: (handle, call when done)
         self.event_error = ""  # set: every CUDA event fails at once with it, as on a daemon that cannot wait on one
+        self.copies: list[tuple[Callable[[], None], Callable[[BaseException | None], None]]] = []  # work handed off the loop, not run yet
         self._timers: list[tuple[int, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
@@ -78,6 +79,21 @@ class RecordingPort:
         entry = (due, next(self._order), fn)
         heapq.heappush(self._timers, entry)
         return entry
+
+    def off_loop(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
+        self.copies.append((work, done))
+
+    def run_copies(self) -> int:
+        """Run the work handed off the loop so far, each then told done; how many ran."""
+        ran, self.copies = self.copies, []
+        for work, done in ran:
+            try:
+                work()
+            except Exception as exc:  # the daemon's port hands it to done too
+                done(exc)
+            else:
+                done(None)
+        return len(ran)
 
     def timers(self) -> list[int]:
         """When the timers set and not yet run are due (ms), soonest first."""

@@ -6,6 +6,8 @@ merely failed."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from pdxfer.core.config import Config
@@ -13,12 +15,14 @@ from pdxfer.core.plan import pages_to_bytes
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     AllocSlot,
+    AuxRecord,
     EngineHello,
     ErrorCode,
     Expect,
     Heads,
     KVRegion,
     KVSpec,
+    LegWritten,
     PageOrder,
     PeerWelcome,
     Rank,
@@ -30,6 +34,7 @@ from pdxfer.core.protocol import (
     RoomFailed,
     RoomRequest,
     RoomState,
+    RoomStatus,
     ShmHandle,
     SlotGrant,
 )
@@ -154,3 +159,66 @@ def test_an_extent_of_a_room_released_before_its_prefill_confirmed_comes_back_wi
     for leg in legs:
         service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=True, leg=leg.leg)))
     assert len(service.staging.arena) == 0
+
+
+def records(service, legs) -> None:
+    """Each leg's record, as its prefill rank sends it once every write of the leg completed."""
+    for leg in legs:
+        if leg.generation:  # the leg that carries the aux record
+            message = AuxRecord(room=7, slot=leg.slot, generation=leg.generation, length=0, checksum=zlib.crc32(b""), leg=leg.leg, kv_pages=2)
+        else:
+            message = LegWritten(room=7, leg=leg.leg, kv_pages=2)
+        service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(message))
+
+
+def staged_room(service):
+    """Room 7's two legs staged, each extent filled as its prefill rank would: its head of pages 3 and 5."""
+    expect(service, 7)
+    welcome(service)
+    legs = request(service).legs
+    for leg in legs:
+        at = leg.staged_at - service.staging.base
+        service.staging.memory.array[at : at + LEG_BYTES] = np.arange(LEG_BYTES, dtype=np.uint8) + 100 * (1 + leg.dst_head_start)
+    return legs
+
+
+def test_a_staged_leg_is_copied_into_its_pages_off_the_loop_and_the_room_succeeds_only_after():
+    service = staging_decode()
+    legs = staged_room(service)
+    records(service, legs)
+    assert len(service.port.copies) == 2 and service.rooms.get(7).state is not RoomState.SUCCESS
+    assert len(service.staging.arena) == 2 and service.staged == {}  # the copies own their extents while they run
+    assert service.port.run_copies() == 2
+    assert service.rooms.get(7).state is RoomState.SUCCESS and len(service.staging.arena) == 0
+    (kv,) = [b for b in service.port.mapped if b.handle.name == "kv"]
+    pages = kv.array.reshape(16, 2, 32)  # [page][head][token x unit]
+    for leg in legs:
+        part = np.arange(LEG_BYTES, dtype=np.uint8) + 100 * (1 + leg.dst_head_start)
+        assert np.array_equal(pages[[3, 5], leg.dst_head_start], part.reshape(2, 32))
+
+
+def test_a_room_failing_while_a_copy_writes_its_pages_is_fenced_only_when_the_copy_ends():
+    service = staging_decode()
+    legs = staged_room(service)
+    records(service, legs)  # both prefill ranks are done: only the daemon's own copies still write
+    room = service.rooms.get(7)
+    service.fail(room, ErrorCode.TIMEOUT, "the engine gave up")
+    assert room.state is RoomState.FAILED and not room.fenced
+    told = [m for _, _, m in service.port.take() if isinstance(m, RoomStatus) and m.room == 7]
+    assert told and not told[-1].fenced  # the engine must keep the pages
+    service.port.run_copies()
+    assert room.fenced and len(service.staging.arena) == 0
+    told = [m for _, _, m in service.port.take() if isinstance(m, RoomStatus) and m.room == 7]
+    assert told and told[-1].fenced and told[-1].state is RoomState.FAILED
+
+
+def test_a_copy_that_fails_fails_its_room_and_gives_its_extent_back():
+    service = staging_decode()
+    legs = staged_room(service)
+    records(service, legs[:1])
+    (work, done), = service.port.copies
+    service.port.copies.clear()
+    done(MemoryError("no pages"))
+    room = service.rooms.get(7)
+    assert room.state is RoomState.FAILED and room.code is ErrorCode.INTERNAL and "staging buffer" in room.reason
+    assert len(service.staging.arena) == 1  # the other leg's prefill rank may still write into its extent
