@@ -9,9 +9,7 @@ generous slack, because other CPU-heavy work shares this 2-core machine.
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
-import socket
 import time
 from dataclasses import dataclass
 
@@ -22,6 +20,7 @@ from pdxfer.core.protocol import KVLayout, RoomState, RoomStatus
 from pdxfer.ops.inspection import daemon_counters
 
 from .conftest import small_layout
+from .listen_ports import free_port  # the tests take it from here
 
 # Small heartbeat settings keep the tests short. The stated bound for declaring a
 # peer dead is interval x misses + one 0.05 s daemon tick.
@@ -32,25 +31,6 @@ HB_BOUND = HB_INTERVAL * HB_MISSES + 0.05
 # Added to every liveness bound: scheduling delays on a loaded 2-core machine, and
 # the test's own polling interval.
 SLACK = 3.0
-
-
-# Ports handed to servers a test starts come from below the kernel's ephemeral range:
-# a port the kernel picked for bind(0) can be given again to any outgoing connection
-# before the server binds it (an etcd start failed that way in CI).
-_EPHEMERAL_LOW = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-_port_picker = random.Random()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    for _ in range(200):
-        port = _port_picker.randrange(10000, _EPHEMERAL_LOW)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on {host} below {_EPHEMERAL_LOW} after 200 tries")
 
 
 def engine(daemon, layout: KVLayout | None = None, slots: int = 32, payload: int = 64, timeout: float = 20.0) -> Client:

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +28,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from pdxfer.ops.inspection import daemon_counters
 from pdxfer.tools.launch import start_daemon, stop_all
+from tests.listen_ports import free_port  # the tests take it from here
 from tests.engines.procs import REPO_ROOT, Worker, plugin_dist
 from tests.engines.prompts import Request
 from tests.engines.sglang_plugins import KVARGS_DIR_ENV, TRANSFER_LOG_DIR_ENV
@@ -105,12 +105,6 @@ def entry_point() -> str:
     """pdxfer's SGLang plugin, as pyproject.toml declares it."""
     with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
         return tomllib.load(f)["project"]["entry-points"]["sglang.srt.plugins"]["pdxfer"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def plugin_path(workdir: str, names: Iterable[str], extra: dict[str, str] | None = None) -> str:

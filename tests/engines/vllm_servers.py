@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tests.listen_ports import free_port  # the tests take it from here
 from tests.engines.procs import REPO_ROOT, log_tail, plugin_dist
 from tests.engines.prompts import Request
 from tests.engines.vllm_engines import BLOCK_SIZE, ENGINE_ARGS, START_TIMEOUT
 from tests.engines.vllm_plugins import PLUGIN_ENTRY_POINTS
 
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_argv(model_dir: str, port: int, kv_transfer_config: dict | None = None, tensor_parallel: int = 1) -> list[str]:
