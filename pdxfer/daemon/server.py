@@ -333,6 +333,8 @@ class Daemon:
             if sock is not None:
                 sock.close()
         self._links.clear()
+        for identity in list(self.engine_watch.pidfds):
+            self._unwatch(identity)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -472,6 +474,15 @@ class Daemon:
         waiting = admin.not_ready(self)
         body = json.dumps({"ready": not waiting, "waiting_for": waiting}).encode() + b"\n"
         return (503 if waiting else 200), "application/json", body
+
+    def _engine_exited(self, identity: bytes) -> None:
+        """An engine's pidfd became readable: its process exited (A10)."""
+        pid = self._unwatch(identity)
+        self.service.engine_gone(identity, f"the engine process (pid {pid}) exited")
+
+    def _unwatch(self, identity: bytes) -> int:
+        asyncio.get_running_loop().remove_reader(self.engine_watch.pidfd(identity))
+        return self.engine_watch.forget(identity)
 
     async def _ticker(self) -> None:
         window = cpu_yield.sample() if self.yielding is not None else None  # yielding is decided before the ticker starts
@@ -637,8 +648,15 @@ class DaemonPort:
     same_memory = staticmethod(memory.same_memory)
 
     def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
-        if not self._daemon.engine_watch.add(identity, pid, pid_namespace):
+        watch = self._daemon.engine_watch
+        if watch.pidfd(identity) is not None:  # the connection said hello again
+            self._daemon._unwatch(identity)
+        if not watch.add(identity, pid, pid_namespace):
             log.info("engine connection %s: its process (pid %d) is not visible here; a killed engine's rooms fail at their timeouts", identity.hex(), pid)
+            return
+        fd = watch.pidfd(identity)
+        if fd is not None:
+            asyncio.get_running_loop().add_reader(fd, self._daemon._engine_exited, identity)
 
 
 class PrefillDaemonPort(DaemonPort):

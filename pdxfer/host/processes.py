@@ -3,7 +3,8 @@ engine rank's rooms at once instead of at their timeouts (A10).
 
 A pid means something only inside its pid namespace, and pids are reused: an engine says
 its pid and its namespace (the inode of /proc/self/ns/pid), and the daemon, when it shares
-that namespace, remembers the process's start time and asks for both again."""
+that namespace, opens a pidfd for the process (checking its start time, so that a reused
+pid is not taken for it), or where it cannot, remembers the start time and asks for it again."""
 
 from __future__ import annotations
 
@@ -31,11 +32,15 @@ def start_time(pid: int) -> int | None:
 
 
 class EngineWatch:
-    """The engine processes a daemon can see, and which of them have gone."""
+    """The engine processes a daemon can see, and which of them have gone. Where the
+    kernel gives pidfds (Linux 5.3 and later), each watched process has one, readable
+    once it exits, for the daemon's event loop to wait on; the others are asked for
+    their start time again at every gone()."""
 
     def __init__(self) -> None:
         self.namespace = pid_namespace()
-        self.started: dict[bytes, tuple[int, int]] = {}  # connection -> (pid, start time)
+        self.started: dict[bytes, tuple[int, int]] = {}  # connection -> (pid, start time), asked at every gone()
+        self.pidfds: dict[bytes, tuple[int, int]] = {}  # connection -> (pid, its pidfd)
 
     def add(self, identity: bytes, pid: int, namespace: int) -> bool:
         """Watch a connection's engine; False when this daemon cannot see its process."""
@@ -44,12 +49,38 @@ class EngineWatch:
         started = start_time(pid)
         if started is None:
             return False
-        self.started[identity] = (pid, started)
+        fd = _pidfd(pid)
+        if fd is not None and start_time(pid) == started:  # still the same process once the fd is open
+            self.pidfds[identity] = (pid, fd)
+        else:
+            if fd is not None:
+                os.close(fd)
+            self.started[identity] = (pid, started)
         return True
 
+    def pidfd(self, identity: bytes) -> int | None:
+        """The pidfd that becomes readable when the connection's engine exits, if it has one."""
+        held = self.pidfds.get(identity)
+        return held[1] if held else None
+
+    def forget(self, identity: bytes) -> int:
+        """Stop watching the connection's engine through its pidfd, which is closed (the
+        loop must wait on it no more); its pid."""
+        pid, fd = self.pidfds.pop(identity)
+        os.close(fd)
+        return pid
+
     def gone(self) -> list[tuple[bytes, int]]:
-        """The watched connections whose process exited since (connection, pid); each told once."""
+        """The connections watched without a pidfd whose process exited since (connection,
+        pid); each told once."""
         out = [(identity, pid) for identity, (pid, started) in self.started.items() if start_time(pid) != started]
         for identity, _ in out:
             del self.started[identity]
         return out
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (Linux 5.3+), or None where the kernel or Python gives none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
