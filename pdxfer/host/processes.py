@@ -78,6 +78,7 @@ class EngineWatch:
             del self.started[identity]
         return out
 
+
 def _pidfd(pid: int) -> int | None:
     """A pidfd for ``pid`` (Linux 5.3+), or None where the kernel or Python gives none."""
     try:
