@@ -364,10 +364,12 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
     assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)
 
 
-def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_path):
+def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_path, monkeypatch):
     """Two ranks of one engine, two rooms in flight: rank 1 holds its first two rooms
     while rank 0 finishes its own at once. Rank 0 waits for rank 1 before its third,
-    as one scheduler gating on both ranks would; once rank 1 finishes one, both go on."""
+    as one scheduler gating on both ranks would; once rank 1 finishes one, both go on,
+    woken by rank 1's message (the periodic recheck is pushed out of the test's reach)."""
+    monkeypatch.setattr(Lockstep, "RECHECK_S", 60.0)
     path = str(tmp_path / "lockstep")
     np.zeros(2, np.int64).tofile(path)
     specs = [RoomSpec(i, 100 + i, 16) for i in range(4)]
