@@ -28,7 +28,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"{desc} (default: {'on' if default else 'off'}){env}")
             continue
-        shown = "" if default is msgspec.NODEFAULT else f" (default: {default!r})"
+        shown = "" if default is msgspec.NODEFAULT or default is None else f" (default: {default!r})"  # None: the text says
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=f"{desc}{shown}{env}")
 
 

@@ -344,14 +344,11 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
         for result in (base, pdx):
             assert result["mismatches"] == 0 and not result["errors"], (name, result["errors"])
             assert result["runs"][0]["bytes"] == wl["kv_bytes"]
-        # head slices: two legs per room, each a block per page and region; the baseline wrote exactly those. So did
-        # pdxfer for medium rooms (128 KiB pages: 64 KiB spans), but small rooms' 2 KiB spans its decode daemon
-        # staged (core/staging.py), so it wrote runs of whole source pages
+        # head slices: two legs per room, each a block per page and region; the baseline wrote exactly those. pdxfer's
+        # decode daemon staged both workloads' slices over TCP (medium's 64 KiB spans, small's 2 KiB; core/staging.py),
+        # so it wrote runs of whole source pages
         assert base["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
-        if name == "medium":
-            assert pdx["median"]["blocks_per_room"] == pytest.approx(wl["planned_blocks_per_room"]["mean"])
-        else:
-            assert pdx["median"]["blocks_per_room"] < wl["planned_blocks_per_room"]["mean"]
+        assert pdx["median"]["blocks_per_room"] < wl["planned_blocks_per_room"]["mean"]
         (run,) = pdx["runs"]
         assert run["extra"]["lanes"] == {"prefill": 2, "decode": 1}
         assert pdx["median"]["control_per_room"] == pytest.approx(2.0)  # one room_request, one room_accepted

@@ -85,6 +85,7 @@ def test_config_is_frozen():
         ("flags", "transfer_timeout", 0),
         ("flags", "fence_timeout", -1.0),
         ("flags", "max_message_bytes", 100),
+        ("flags", "staging_mib", "-1"),
         ("file", "log_level", '"loud"'),
         ("file", "role", '"router"'),
     ],
@@ -168,6 +169,16 @@ def test_the_engines_endpoint_variable_is_not_the_daemons_and_a_misspelt_one_is_
 def test_missing_role_is_refused():
     with pytest.raises(ValueError, match="role"):
         config.load(env={})
+
+
+def test_the_staging_defaults_follow_the_protocol_and_side_and_an_operators_size_stands():
+    decode, prefill = config.load({"role": "decode"}, env={}), config.load({"role": "prefill"}, env={})
+    assert decode.staging_bytes == prefill.staging_bytes == 512 << 20  # tcp, the default protocol
+    assert (decode.stage_spans_below, prefill.stage_spans_below) == (128 << 10, 16 << 10)
+    rdma = config.load({"role": "decode", "protocol": "rdma"}, env={})
+    assert rdma.staging_bytes == 64 << 20 and rdma.stage_spans_below == 8 << 10
+    assert config.load({"role": "decode", "staging_mib": "0"}, env={}).staging_bytes == 0
+    assert config.load({"role": "decode"}, env={"PDXFER_STAGING_MIB": "32"}).staging_bytes == 32 << 20
 
 
 def test_every_field_is_documented():

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from pdxfer.core.plan import plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout
 from pdxfer.core.protocol import Heads, KVRegion, KVSpec, PageOrder, RegionKind
-from pdxfer.core.staging import ALIGN, StagingArena, slice_span, stage_spans_below, worth_staging
+from pdxfer.core.staging import ALIGN, StagingArena, slice_span, stage_spans_below, staging_mib, worth_staging
 from pdxfer.roles.pools import MappedKV
 
 
 def test_worth_staging_only_a_whole_rank_against_short_spans_of_a_slice_in_host_pages():
-    small, tcp = 1024, stage_spans_below("tcp")
+    small, tcp = 1024, stage_spans_below("tcp", "prefill")
     # TP2 -> TP1 at the decode (every head of the prefill rank, a slice of the decode's), TP1 -> TP2 at the prefill.
     assert worth_staging(head_count=4, whole_heads=4, sliced_heads=8, host_memory=True, span=small, below=tcp)
     assert not worth_staging(4, 4, 8, False, small, tcp)  # a device pool: the daemon copies with the CPU
@@ -25,14 +25,32 @@ def test_worth_staging_only_a_whole_rank_against_short_spans_of_a_slice_in_host_
     assert not worth_staging(0, 4, 8, True, small, tcp)  # a dummy leg
     # A span a block costs little to write goes straight into the pages: long ones over TCP, all but short ones over RDMA.
     assert worth_staging(4, 4, 8, True, 12 * 1024, tcp) and not worth_staging(4, 4, 8, True, 64 * 1024, tcp)
-    rdma = stage_spans_below("rdma")
+    rdma = stage_spans_below("rdma", "decode")
     assert worth_staging(4, 4, 8, True, small, rdma) and not worth_staging(4, 4, 8, True, 12 * 1024, rdma)
 
 
+def test_over_tcp_the_decode_stages_head_major_slices_and_the_prefill_gathers_only_token_major_ones():
+    """The decode copies staged legs beside its loop, the prefill gathers on it before the
+    first write: over TCP a 4:2 or 2:1 head-major slice of a 128 KiB page (32 or 64 KiB)
+    is staged at the decode, not gathered at the prefill; token-major spans are on both."""
+    head_major = [slice_span(128 * 1024, 8, n, 64, head_major=True) for n in (2, 4)]
+    token_major = slice_span(128 * 1024, 8, 4, 64, head_major=False)
+    decode, prefill = stage_spans_below("tcp", "decode"), stage_spans_below("tcp", "prefill")
+    assert all(worth_staging(4, 4, 8, True, span, decode) for span in head_major)
+    assert not any(worth_staging(4, 4, 8, True, span, prefill) for span in head_major)
+    assert worth_staging(4, 4, 8, True, token_major, decode) and worth_staging(4, 4, 8, True, token_major, prefill)
+    assert not worth_staging(4, 4, 8, True, 128 * 1024, decode)  # a whole page's worth: one block already
+
+
+def test_the_staging_buffer_holds_legs_in_flight_over_tcp_and_stays_small_where_registering_pins_it():
+    assert staging_mib("tcp") == 512 and staging_mib("rdma") == 64
+    assert staging_mib("tcp", 0) == 0 and staging_mib("rdma", 100) == 100  # an operator's size stands, 0 included
+
+
 def test_an_operators_span_limit_stands_in_for_the_measured_one():
-    assert stage_spans_below("tcp", 128) == 128 * 1024 and stage_spans_below("rdma", 128) == 128 * 1024
-    assert stage_spans_below("tcp", 0) == stage_spans_below("tcp") == 16 * 1024
-    assert worth_staging(4, 4, 8, True, 64 * 1024, stage_spans_below("tcp", 128))
+    assert stage_spans_below("tcp", "prefill", 128) == 128 * 1024 and stage_spans_below("rdma", "decode", 128) == 128 * 1024
+    assert stage_spans_below("tcp", "prefill", 0) == stage_spans_below("tcp", "prefill") == 16 * 1024
+    assert worth_staging(4, 4, 8, True, 64 * 1024, stage_spans_below("tcp", "prefill", 128))
 
 
 def test_a_slices_span_is_the_whole_slice_head_major_and_one_tokens_token_major():

@@ -21,7 +21,7 @@ import msgspec
 from .liveness import Heartbeats
 from .paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .protocol import MAX_INLINE_KV_BYTES, Role
-from .staging import stage_spans_below
+from .staging import stage_spans_below, staging_mib
 
 ENV_PREFIX = "PDXFER_"
 # Read by engines beside a daemon (their daemon's engine endpoint, pdxfer.adapters), never
@@ -136,19 +136,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
              "the most it accepts (0: never)", ge=0, le=MAX_INLINE_KV_BYTES),
     ] = INLINE_KV_BYTES
     staging_mib: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=0, le=64 * 1024)] | None,
         _doc("MiB of shared memory for legs between ranks of different TP whose side here holds a slice of each page: "
              "decode, a leg from a prefill rank holding fewer KV heads lands in it and is copied into the pages; "
              "prefill, a chunk for a decode rank holding fewer heads is gathered into it and written from there. Runs "
              "of whole pages then stay one write each (slices take a write per page and region, head-major, or per "
              "token, token-major), where the spans are short for the transport; host-memory pools only. A leg or "
-             "chunk finding no room writes between the pages. 0: none", ge=0, le=64 * 1024),
-    ] = 64
+             "chunk finding no room writes between the pages. Default: 512 over tcp, 64 otherwise (core/staging.py); "
+             "0: none"),
+    ] = None
     stage_spans_below_kib: Annotated[
         int,
         _doc("stage (see --staging-mib) only slices whose contiguous spans are shorter than this many KiB: a slice "
              "of a head-major page is one span, of a token-major page one per token. 0: as measured for the protocol "
-             "(16 over tcp, 8 otherwise; core/staging.py)", ge=0, le=64 * 1024),
+             "and side (over tcp: decode 128, prefill 16; 8 otherwise; core/staging.py)", ge=0, le=64 * 1024),
     ] = 0
     verify_kv: Annotated[bool, _doc("decode: ask for a CRC-32 digest of every room's KV and fail the room on a mismatch (CPU pools)")] = False
     visibility_grace: Annotated[
@@ -163,7 +164,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     @property
     def stage_spans_below(self) -> int:
         """Bytes under which a slice's spans are staged (core/staging.stage_spans_below)."""
-        return stage_spans_below(self.protocol, self.stage_spans_below_kib)
+        return stage_spans_below(self.protocol, self.role.value, self.stage_spans_below_kib)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffer (core/staging.staging_mib; 0: none)."""
+        return staging_mib(self.protocol, self.staging_mib) << 20
 
     @property
     def heartbeats(self) -> Heartbeats:

@@ -31,15 +31,23 @@ from typing import Sequence
 
 ALIGN = 4096  # extents start on page boundaries: a transport may register or pin by page
 
-# Staging costs a copy of every byte on the staging host, on its daemon's event loop;
-# writing slices one by one costs the transport's price of a block per span. Measured
-# over Mooncake's TCP path (pdxfer bench, medium rooms, HISTORY.md): spans of 1 KiB
-# (token-major) move 12-26x faster staged, on either side; spans of 64 KiB (head-major)
-# no faster staged at the decode and at half the rate gathered at the prefill, where the
-# copy delays the first write. So only spans under 16 KiB are staged over TCP. With RDMA
-# a block is a work request of about a microsecond (not measured here): under 8 KiB.
-STAGE_SPANS_BELOW = {"tcp": 16 * 1024}
+# Staging costs a copy of every byte on the staging host; writing slices one by one costs
+# the transport's price of a block per span. Measured over Mooncake's TCP path (pdxfer
+# bench, HISTORY.md): spans of 1 KiB (token-major) move 12-26x faster staged, on either
+# side. Spans of 32-64 KiB (head-major at 4:2 and 2:1) staged at the decode, whose copies
+# run beside its loop, moved 1.1-1.6x as fast as written one by one on 16 cores, once
+# the buffer held the legs in flight; gathered at the prefill, whose loop copies before
+# the first write, half as fast. So over TCP the decode stages spans under 128 KiB and
+# the prefill under 16 KiB. With RDMA a block is a work request of about a microsecond
+# (not measured here): under 8 KiB on either side.
+STAGE_SPANS_BELOW = {("decode", "tcp"): 128 * 1024, ("prefill", "tcp"): 16 * 1024}
 STAGE_SPANS_BELOW_DEFAULT = 8 * 1024
+# The buffer must hold the staged legs in flight (the bench's: four rooms of 64-96 MiB, or
+# 32 of 4-16 MiB): with 64 MiB most head-major legs found it full and wrote their slices,
+# slower than not staging at all. It fills only as legs use it; over RDMA, where only short
+# spans are staged, registering it pins it, so it stays small there.
+STAGING_MIB = {"tcp": 512}
+STAGING_MIB_DEFAULT = 64
 
 
 @dataclass(frozen=True)
@@ -68,10 +76,17 @@ def slice_bytes(page_bytes: Sequence[int], heads: int, head_count: int) -> tuple
     return tuple(size * head_count // heads for size in page_bytes)
 
 
-def stage_spans_below(protocol: str, kib: int = 0) -> int:
-    """Bytes under which a slice's spans are staged: ``kib`` KiB where an operator set
-    it (--stage-spans-below-kib), else what was measured for ``protocol``."""
-    return kib * 1024 if kib else STAGE_SPANS_BELOW.get(protocol, STAGE_SPANS_BELOW_DEFAULT)
+def stage_spans_below(protocol: str, role: str, kib: int = 0) -> int:
+    """Bytes under which a slice's spans are staged by a daemon of ``role`` (decode or
+    prefill): ``kib`` KiB where an operator set it (--stage-spans-below-kib), else what
+    was measured for ``protocol``."""
+    return kib * 1024 if kib else STAGE_SPANS_BELOW.get((role, protocol), STAGE_SPANS_BELOW_DEFAULT)
+
+
+def staging_mib(protocol: str, mib: int | None = None) -> int:
+    """MiB of the staging buffer: ``mib`` where an operator set it (--staging-mib, 0:
+    none), else the default for ``protocol``."""
+    return mib if mib is not None else STAGING_MIB.get(protocol, STAGING_MIB_DEFAULT)
 
 
 def worth_staging(head_count: int, whole_heads: int, sliced_heads: int, host_memory: bool, span: int, below: int) -> bool:

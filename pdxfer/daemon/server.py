@@ -130,8 +130,8 @@ class Daemon:
                 self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
                 self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
                 self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
-        if cfg.staging_mib:
-            self.staging = await self._open_staging(cfg.staging_mib << 20)
+        if cfg.staging_bytes:
+            self.staging = await self._open_staging(cfg.staging_bytes)
             if self.staging is not None and cfg.role is Role.DECODE:
                 self.copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pdxfer-copy")
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
