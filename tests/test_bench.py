@@ -397,6 +397,8 @@ def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_pa
 
 def test_bench_refuses_a_topology_pdxfer_cannot_split():
     for flags, why in ((["--topology", "0:1"], "not P:D"), (["--topology", "3:1"], "divisible"),
-                       (["--heads", "3"], "bytes per head")):
+                       (["--heads", "3"], "bytes per head"),
+                       # what the daemons would refuse only after the bench started them (exit 2, a LaunchError)
+                       (["--tcp-lanes", "32"], "'32': need 0 to 16"), (["--tcp-engines", "9"], "'9': need 1 to 8")):
         proc = subprocess.run([sys.executable, "-m", "pdxfer", "bench", *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, (flags, proc.stderr)

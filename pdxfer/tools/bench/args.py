@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ...core.config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
+from ...core.paths import MAX_TCP_ENGINES, MAX_TCP_LANES
 from .plan import DEFAULT_PLACEMENT, parse_placement
 
 WORKLOADS = ("large", "medium", "small", "sweep")
@@ -82,14 +83,23 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
-    return value
+def int_between(low: int, high: int | None = None):
+    """An argparse type: an integer from ``low`` to ``high`` (None: no limit). A value a
+    daemon would refuse is refused here, before the bench has started anything."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r}: need at least {low}" if high is None else f"{text!r}: need {low} to {high}")
+        return value
+
+    return parse
+
+
+positive_int = int_between(1)
 
 
 def topology(text: str) -> tuple[int, int]:
@@ -165,11 +175,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pdxfer daemons' --inline-kv-bytes: rooms with at most N bytes of KV send them inside the aux "
                    "record instead of as transfer-engine writes; 0 sends every byte through the engine, as the baseline "
                    f"does (default: the daemons' default, {INLINE_KV_BYTES})")
-    g.add_argument("--tcp-lanes", type=int, default=TCP_LANES, metavar="N",
+    g.add_argument("--tcp-lanes", type=int_between(0, MAX_TCP_LANES), default=TCP_LANES, metavar="N",
                    help="connections to a peer the transfer engine writes over, for pdxfer (its daemons' --tcp-lanes) and the "
                    "baseline alike (its engines' MC_TCP_LANES_PER_PEER), so both move bytes the same way; 0 leaves the "
                    f"engine's default of 4 (default: {TCP_LANES}, the daemons' default)")
-    g.add_argument("--tcp-engines", type=positive_int, default=TCP_ENGINES, metavar="N",
+    g.add_argument("--tcp-engines", type=int_between(1, MAX_TCP_ENGINES), default=TCP_ENGINES, metavar="N",
                    help="the pdxfer daemons' --tcp-engines: transfer engines per daemon, writes spread over them "
                    f"(default: {TCP_ENGINES}, the daemons' default)")
     g.add_argument("--baseline-engines", type=positive_int, default=None, metavar="N",
