@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from pdxfer.tools.bench.main import by_repeat, memory_shortfall, planning_figure
 from pdxfer.tools.bench.plan import DEFAULT_PLACEMENT, PLANNING_TIMINGS, Plan, RoomPages, Workload, block_counts, make_plan, page_order, parse_placement, time_planning
 from pdxfer.tools.bench.report import format_report, targets
 from pdxfer.tools.bench.run import RunResult
+from pdxfer.tools.launch import LaunchError, read_events
 from pdxfer.tools.sim import Lockstep, RoomSpec, run_rooms
 
 from .conftest import needs_mooncake, orphan_pool
@@ -393,6 +395,20 @@ def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_pa
 
     asyncio.run(scenario())
     assert np.fromfile(path, np.int64).tolist() == [4, 4]
+
+
+def test_a_daemon_that_dies_ends_the_wait_for_its_engines_at_once_saying_how():
+    # The bench and the demo wait on the simulated engines; an engine whose daemon died
+    # waits out its room timeout, so the wait watches the daemons too.
+    sim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen(["sh", "-c", "kill -BUS $$"])
+    try:
+        with pytest.raises(LaunchError, match=r"^the prefill daemon ended \(killed by signal SIGBUS\) while the simulated engines ran$"):
+            read_events({"sim": sim}, timeout=90, watch={"the prefill daemon": daemon})
+        assert sim.wait(10) == -signal.SIGKILL  # its engines are not left running
+    finally:
+        sim.kill()
+        sim.stdout.close()
 
 
 def test_bench_refuses_a_topology_pdxfer_cannot_split():

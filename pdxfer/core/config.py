@@ -142,7 +142,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
              "prefill, a chunk for a decode rank holding fewer heads is gathered into it and written from there. Runs "
              "of whole pages then stay one write each (slices take a write per page and region, head-major, or per "
              "token, token-major), where the spans are short for the transport; host-memory pools only. A leg or "
-             "chunk finding no room writes between the pages. Default: 512 over tcp, 64 otherwise (core/staging.py); "
+             "chunk finding no room, or /dev/shm too full to back its extent, writes between the pages. Default: 512 over tcp, 64 otherwise (core/staging.py); "
              "0: none"),
     ] = None
     stage_spans_below_kib: Annotated[

@@ -139,7 +139,7 @@ class _Collector:
             yield CounterMetricFamily("pdxfer_chunks_gathered", "Chunks of legs to decode ranks of higher TP gathered into the staging buffer and written from it (prefill side)", value=service.staged_chunks)
         yield GaugeMetricFamily("pdxfer_staging_taken_bytes", "Bytes of the staging buffer held by legs or chunks now (a decode leg's until nothing more of it can land)",
                                 value=service.staging_taken_bytes)
-        yield CounterMetricFamily("pdxfer_staging_full", "Legs (decode) or chunks (prefill) that would have been staged but found the staging buffer full, so wrote between the pages", value=service.staging_full)
+        yield CounterMetricFamily("pdxfer_staging_full", "Legs (decode) or chunks (prefill) that would have been staged but found the staging buffer full, or /dev/shm too full to back their extent, so wrote between the pages", value=service.staging_full)
         yield CounterMetricFamily("pdxfer_engine_messages", "Messages received from engines (a poll() answered from pushed statuses sends none)", value=service.engine_messages)
         peer_messages = CounterMetricFamily("pdxfer_peer_messages_received", "Messages received from peer daemons, by kind (one room_request per room per node pair: A5)", labels=["kind"])
         for kind, n in service.peer_messages.items():

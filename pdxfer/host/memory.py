@@ -166,6 +166,18 @@ class SharedMemory:
         opened.identity = _identity(st)
         return opened
 
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Back [offset, offset + nbytes) with pages now, for memory created without
+        them: a page first touched once the filesystem is full ends its toucher with
+        SIGBUS, whereas this raises InsufficientCapacity (nothing of the range is kept)."""
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        except OSError as exc:
+            raise InsufficientCapacity(f"shared memory cannot back {nbytes} more bytes of {self.name}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
     @property
     def handle(self) -> ShmHandle:
         return ShmHandle(name=self.name, size=self.size)

@@ -9,6 +9,17 @@ pid is not taken for it), or where it cannot, remembers the start time and asks 
 from __future__ import annotations
 
 import os
+import signal
+
+
+def exit_status(code: int) -> str:
+    """A child's return code in words: the name of the signal that ended it, if one did."""
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def pid_namespace() -> int:

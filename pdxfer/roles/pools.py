@@ -15,10 +15,13 @@ from ..core.plan import canonical, compat_of, leg_region_pairs, region_addresses
 from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, PageOrder, Rank
 from ..core.staging import StagedLayout, StagingArena, slice_span, worth_staging
 from ..core.topology import rank_code
+from ..host.memory import SHM_DIR
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
 log = logging.getLogger("pdxfer.staging")
+
+RESERVE_UNIT = 2 << 20  # bytes of the staging buffer backed at once (Staging._back)
 
 
 @dataclass(eq=False)
@@ -125,12 +128,25 @@ class Staging:
         self.arena = StagingArena(self.memory.size)
         self.full = 0  # legs or chunks that would have gained from an extent but found none free
         self.largest_refused = 0  # bytes of the largest one that could never fit, 0 if none
+        self.unbacked = 0  # of those, the ones whose extent shared memory could not back
+        # The buffer is created without pages (an idle daemon's takes no memory); each
+        # RESERVE_UNIT is backed the first time an extent reaches into it, and stays so.
+        self._backed = np.zeros(-(-self.memory.size // RESERVE_UNIT), bool)
 
     def take(self, nbytes: int) -> int | None:
-        """The offset of a free extent of ``nbytes``, or None (counted): the caller then
-        writes between the pages. One larger than the whole buffer is logged, with the
-        size that would hold it, each time one larger than any before comes."""
+        """The offset of a free extent of ``nbytes``, backed by pages, or None (counted):
+        the caller then writes between the pages. One larger than the whole buffer is
+        logged, with the size that would hold it, each time one larger than any before
+        comes; one that shared memory cannot back, at the 1st, 2nd, 4th, 8th... time."""
         offset = self.arena.take(nbytes)
+        if offset is not None and not self._back(offset, nbytes):
+            self.arena.give(offset)
+            self.unbacked += 1
+            if self.unbacked & (self.unbacked - 1) == 0:
+                log.warning("shared memory is full: %.1f MiB of the staging buffer could not be backed, so a leg or chunk "
+                            "writes between the pages, far slower for short slices (%d so far); free space in %s or make it "
+                            "larger", nbytes / 2**20, self.unbacked, SHM_DIR)
+            offset = None
         if offset is None:
             self.full += 1
             if nbytes > self.arena.size and nbytes > self.largest_refused:
@@ -140,6 +156,22 @@ class Staging:
                             "--staging-mib %d or more to stage legs this large", nbytes / 2**20, self.arena.size >> 20,
                             -(-nbytes // 2**20) * 2)
         return offset
+
+    def _back(self, offset: int, nbytes: int) -> bool:
+        """Whether [offset, +nbytes) has pages, backing the units it reaches that had none
+        (memory.SharedMemory.reserve): writing an unbacked page once /dev/shm is full
+        kills the writer (SIGBUS), the daemon itself when a prefill gathers."""
+        first, end = offset // RESERVE_UNIT, -(-(offset + nbytes) // RESERVE_UNIT)
+        missing = np.flatnonzero(~self._backed[first:end])
+        if missing.size == 0:
+            return True
+        start, stop = first + int(missing[0]), first + int(missing[-1]) + 1
+        try:
+            self.memory.reserve(start * RESERVE_UNIT, min(stop * RESERVE_UNIT, self.memory.size) - start * RESERVE_UNIT)
+        except errors.InsufficientCapacity:
+            return False
+        self._backed[start:stop] = True
+        return True
 
     @property
     def base(self) -> int:

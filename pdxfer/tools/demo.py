@@ -104,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
             if name == "decode" and event["event"] == "progress":
                 bar.update(event["done"], event["bytes"], event["mismatches"])
 
-        summaries = read_events(sims, on_event)
+        summaries = read_events(sims, on_event, watch={"the prefill daemon": prefill.proc, "the decode daemon": decode.proc})
         bar.finish()
     except LaunchError as exc:
         print(f"pdxfer demo: {exc}", file=sys.stderr)

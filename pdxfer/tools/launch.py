@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..host.processes import exit_status
+
 
 class LaunchError(RuntimeError):
     pass
@@ -133,9 +135,11 @@ def start_sim(role: str, engine: str, *flags: str, stderr=None) -> subprocess.Po
     return subprocess.Popen(sim_argv(role, engine, *flags), stdout=subprocess.PIPE, stderr=stderr, env=_env(), text=True)
 
 
-def read_events(procs: dict[str, subprocess.Popen], on_event=None, timeout: float = 600.0) -> dict[str, dict]:
+def read_events(procs: dict[str, subprocess.Popen], on_event=None, timeout: float = 600.0,
+                watch: dict[str, subprocess.Popen] | None = None) -> dict[str, dict]:
     """Read JSON lines from every process until all exit; return each one's last
-    ``summary`` event, calling ``on_event(name, event)`` for every line."""
+    ``summary`` event, calling ``on_event(name, event)`` for every line. A process of
+    ``watch`` (the daemons the engines use) that exits first ends it at once."""
     sel = selectors.DefaultSelector()
     for name, proc in procs.items():
         sel.register(proc.stdout, selectors.EVENT_READ, name)
@@ -158,6 +162,11 @@ def read_events(procs: dict[str, subprocess.Popen], on_event=None, timeout: floa
                     summaries[key.data] = event
                 if on_event is not None:
                     on_event(key.data, event)
+            gone = [(name, proc.returncode) for name, proc in (watch or {}).items() if proc.poll() is not None]
+            if gone and open_streams:
+                for proc in procs.values():
+                    proc.kill()
+                raise LaunchError("; ".join(f"{name} ended ({exit_status(code)}) while the simulated engines ran" for name, code in gone))
     finally:
         sel.close()
     if open_streams:

@@ -30,6 +30,7 @@ from ..core.config import Config
 from ..core.errors import Unsupported
 from ..host.cpu_yield import normal_policy
 from ..host.memory import SharedMemory, place_mappings_apart
+from ..host.processes import exit_status
 from . import Peer, Status
 from .host import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Reset, Settled, Start, Submit, Unregister
 from .mooncake import PROBE_TIMEOUT, SCRATCH_BYTES
@@ -223,8 +224,7 @@ class IsolatedTransport:
         code = proc.wait()
         if self._closing:
             return
-        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        log.error("transfer engine process %d ended (%s): its writes in flight are lost; starting another", proc.pid, how)
+        log.error("transfer engine process %d ended (%s): its writes in flight are lost; starting another", proc.pid, exit_status(code))
         self.on_lost()
 
     # --- requests

@@ -38,9 +38,10 @@ from pdxfer.core.protocol import (
     ShmHandle,
     SlotGrant,
 )
+from pdxfer.core.errors import InsufficientCapacity
 from pdxfer.core.staging import ALIGN
 from pdxfer.roles.decode import DecodeService
-from pdxfer.roles.pools import Staging
+from pdxfer.roles.pools import RESERVE_UNIT, Staging
 
 from .rig import DECODE_INCARNATION, DST_PROBE, ENDPOINT, PREFILL_INCARNATION, PREFILL_SESSIONS, call, codec
 from .port import RecordingPort
@@ -53,10 +54,20 @@ LEG_BYTES = 2 * 32  # two pages, one head of 32 bytes each
 
 
 class _Memory:
+    """A staging buffer's memory: ``reserve`` (backing a range with pages) records what
+    it was asked, and fails while ``backable`` is false, as with /dev/shm full."""
+
     def __init__(self, size: int) -> None:
         self.size = size
         self.array = np.zeros(size, np.uint8)
         self.address = self.array.ctypes.data
+        self.reserved: list[tuple[int, int]] = []
+        self.backable = True
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        if not self.backable:
+            raise InsufficientCapacity("No space left on device")
+        self.reserved.append((offset, nbytes))
 
 
 def staging_decode(staging_bytes: int = 16 * ALIGN) -> DecodeService:
@@ -128,6 +139,29 @@ def test_a_leg_larger_than_the_whole_buffer_names_the_size_that_would_hold_it(ca
     assert staging.full == 3
     told = [r.getMessage() for r in caplog.records if r.name == "pdxfer.staging"]
     assert len(told) == 1 and "5.0 MiB" in told[0] and "2 MiB staging buffer" in told[0] and "--staging-mib 10 or more" in told[0]
+
+
+def test_an_extent_is_backed_with_pages_before_it_is_handed_out_each_unit_once():
+    staging = Staging(_Memory(8 * RESERVE_UNIT))
+    assert staging.take(RESERVE_UNIT + 1) == 0  # reaches into a second unit: both backed
+    assert staging.memory.reserved == [(0, 2 * RESERVE_UNIT)]
+    second = staging.take(ALIGN)  # inside what is backed already: nothing asked
+    assert second == RESERVE_UNIT + ALIGN and staging.memory.reserved == [(0, 2 * RESERVE_UNIT)]
+    staging.arena.give(0)
+    assert staging.take(2 * RESERVE_UNIT) == RESERVE_UNIT + 2 * ALIGN  # first fit, past the extent still held
+    assert staging.memory.reserved[-1] == (2 * RESERVE_UNIT, 2 * RESERVE_UNIT)  # its units not backed before, only
+
+
+def test_an_extent_shared_memory_cannot_back_is_refused_and_said_without_flooding_the_log(caplog):
+    staging = Staging(_Memory(8 * RESERVE_UNIT))
+    staging.memory.backable = False
+    assert [staging.take(ALIGN) for _ in range(5)] == [None] * 5  # the leg or chunk writes between the pages
+    assert (staging.full, staging.unbacked, staging.arena.taken_bytes) == (5, 5, 0)  # nothing kept taken
+    told = [r.getMessage() for r in caplog.records if r.name == "pdxfer.staging"]
+    assert len(told) == 3  # the 1st, 2nd and 4th time
+    assert "shared memory is full" in told[0] and "/dev/shm" in told[0] and "(1 so far)" in told[0] and "(4 so far)" in told[2]
+    staging.memory.backable = True  # space came back: staging resumes
+    assert staging.take(ALIGN) == 0 and staging.full == 5
 
 
 def test_an_extent_is_held_after_its_room_failed_until_the_prefill_says_nothing_can_land():

@@ -317,7 +317,8 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
         samples["before"] = {role: _sample(ps) for role, ps in pids.items()}
         for sim in sims.values():
             _say(sim, "go")
-        summaries = read_events(sims, _on_progress(progress, (names["decode"][0],)), timeout=opts.timeout)
+        summaries = read_events(sims, _on_progress(progress, (names["decode"][0],)), timeout=opts.timeout,
+                                watch={f"the {role} daemon": d.proc for role, d in daemons.items()})
         samples["after"] = {role: _sample(ps) for role, ps in pids.items() if daemons[role].alive()}
         samples["counters_after"] = {role: daemon_counters(d.ready["admin"]) for role, d in daemons.items() if d.alive()}
     finally:

@@ -1,0 +1,56 @@
+"""/dev/shm filling up after the daemons started, on a real tmpfs with real daemons and
+Mooncake. A daemon's staging buffer is created without pages (an idle daemon's takes no
+memory), so a page of it first written once the filesystem is full cannot be had: a
+prefill gathering a leg's token-major slices into one used to die of SIGBUS there, and
+with it every room on the node. Now each extent is backed before it is handed out, and
+one that cannot be is refused: that chunk writes between the pages, and rooms succeed.
+
+Runs ``pdxfer bench`` in a mount namespace of its own whose /dev/shm is a tmpfs just
+larger than the staging buffer, which the bench's pools then nearly fill. Needs root
+and util-linux's unshare."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pdxfer.core.staging import staging_mib
+
+from .conftest import needs_mooncake
+
+
+def _unavailable() -> str:
+    if os.geteuid() != 0:
+        return "mounting a small /dev/shm in a mount namespace needs root"
+    if shutil.which("unshare") is None:
+        return "util-linux's unshare is not installed"
+    return ""
+
+
+SHM_MIB = staging_mib("tcp") + 88  # the prefill's buffer must fit at its start; the pools then take all but ~8 MiB
+ROOMS = 29  # of 4-16 MiB at 1:2: 580 MiB of source and destination pools
+
+
+@needs_mooncake
+@pytest.mark.integration
+@pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "-")
+def test_a_full_dev_shm_makes_a_gathering_prefill_write_between_the_pages_instead_of_dying(tmp_path):
+    workdir = tmp_path / "bench"
+    bench = [sys.executable, "-m", "pdxfer", "bench", "--workloads", "medium", "--medium-rooms", str(ROOMS), "--medium-in-flight", "4",
+             "--systems", "pdxfer", "--repeat", "1", "--inline-kv-bytes", "0", "--topology", "1:2", "--page-order", "token_major",
+             "--plan-indices", "2000", "--timeout", "120", "--json", "--workdir", str(workdir)]
+    mount = f"mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm && exec \"$@\""
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", *bench],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["workloads"]["medium"]["systems"]["pdxfer"]
+    (run,) = result["runs"]
+    assert result["mismatches"] == 0 and not result["errors"], result["errors"]
+    assert run["ok"] == ROOMS  # every room succeeded, the prefill daemon alive to the end
+    log = (workdir / "medium-pdxfer-1" / "prefill-daemon.log").read_text()
+    assert "shared memory is full" in log and "/dev/shm" in log  # it did find /dev/shm full, and fell back
