@@ -26,14 +26,23 @@ def seconds(text: str) -> float:
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+def int_between(low: int, high: int | None = None):
+    """An argparse type: an integer from ``low`` to ``high`` (None: no limit). A value a
+    daemon would refuse is refused here, before a command (the bench) has started anything."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r}: need at least {low}" if high is None else f"{text!r}: need {low} to {high}")
+        return value
+
+    return parse
+
+
+positive_int = int_between(1)
 
 
 def room_id(text: str) -> int:

@@ -8,6 +8,7 @@ import argparse
 
 from ...core.config import INLINE_KV_BYTES, TCP_ENGINES, TCP_LANES
 from ...core.paths import MAX_TCP_ENGINES, MAX_TCP_LANES
+from ...ops.commands import int_between, positive_int
 from .plan import DEFAULT_PLACEMENT, parse_placement
 
 WORKLOADS = ("large", "medium", "small", "sweep")
@@ -81,25 +82,6 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: need positive integers")
     return values
-
-
-def int_between(low: int, high: int | None = None):
-    """An argparse type: an integer from ``low`` to ``high`` (None: no limit). A value a
-    daemon would refuse is refused here, before the bench has started anything."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{text!r}: need at least {low}" if high is None else f"{text!r}: need {low} to {high}")
-        return value
-
-    return parse
-
-
-positive_int = int_between(1)
 
 
 def topology(text: str) -> tuple[int, int]:
