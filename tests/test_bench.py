@@ -287,6 +287,11 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
     # SCHED_IDLE is named under its workload.
     runs = report["workloads"]["medium"]["systems"]["pdxfer"]["runs"]
     assert all(isinstance(r["extra"]["cpu_takebacks"], int) for r in runs)
+    # Where a room's time went, side by side, from the daemons' state histograms.
+    for role in ("prefill", "decode"):
+        states = runs[0]["extra"]["state_ms"][role]
+        assert list(states)[0] == "bootstrapping" and states["transferring"] > 0, (role, states)
+    assert "ms a rank's room spent in each state it left" in format_report(report)
     starved = "left SCHED_IDLE (other processes starved them) in 1 of 1 runs"
     assert (starved in format_report(report)) is (runs[0]["extra"]["cpu_takebacks"] > 0)
     runs[0]["extra"]["cpu_takebacks"] = 2

@@ -25,6 +25,7 @@ from ..core.protocol import (
     PeersReply,
     RoomInfo,
     RoomsReply,
+    RoomState,
     SlotInfo,
     SlotsReply,
 )
@@ -116,6 +117,9 @@ def info(daemon, req: int = 0) -> InfoReply:
         "lanes": float(len(service.lanes)),
         **{f"peer_messages_in:{kind}": float(n) for kind, n in service.peer_messages.items()},
     }
+    for state in (s for s in RoomState if not s.terminal):  # the pdxfer_room_state_seconds histogram's sum and count: where rooms spend their time
+        histogram = daemon.metrics.state_seconds[state]
+        counters.update({f"state_seconds:{state.value}": histogram.total, f"state_left:{state.value}": float(histogram.count)})
     if isinstance(service, DecodeService):
         counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full))
     else:

@@ -43,6 +43,11 @@ class Histogram:
         self.fold()
         return self._total
 
+    @property
+    def count(self) -> int:
+        self.fold()
+        return int(self.counts.sum())
+
     def buckets(self) -> list[tuple[str, int]]:
         self.fold()
         return list(zip((*map(str, BUCKETS), "+Inf"), np.cumsum(self.counts).tolist()))

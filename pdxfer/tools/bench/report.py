@@ -53,9 +53,12 @@ def _workload_table(name: str, wl: dict) -> list[str]:
             row += f"  {_x(ratios['pdxfer/wire'].get(key))}" if key in ratios["pdxfer/wire"] else ""
         lines.append(row)
     lines.append(f"  {'mismatched rooms (all runs)':28}" + "".join(f"{wl['systems'][s]['mismatches']:>10}" for s in systems))
-    if per_room := _peer_messages(wl):
+    if per_room := _per_daemon_medians(wl, "peer_messages_per_room"):
         lines.append("  pdxfer room messages in per room (medians): " + "; ".join(
             f"{role} daemon " + ", ".join(f"{kind} {n:.2f}" for kind, n in kinds.items()) for role, kinds in per_room.items()))
+    if states := _per_daemon_medians(wl, "state_ms"):
+        lines.append("  pdxfer ms a rank's room spent in each state it left (medians): " + "; ".join(
+            f"{role} daemon " + ", ".join(f"{state} {ms:.2f}" for state, ms in by_state.items()) for role, by_state in states.items()))
     if equal := wl.get("equal_tp"):
         for system in ("pdxfer", "baseline"):
             if equal[system]:
@@ -80,13 +83,15 @@ def _workload_table(name: str, wl: dict) -> list[str]:
     return lines
 
 
-def _peer_messages(wl: dict) -> dict[str, dict[str, float]]:
-    runs = [r["extra"].get("peer_messages_per_room") for r in wl["systems"].get("pdxfer", {}).get("runs", []) if not r["error"]]
+def _per_daemon_medians(wl: dict, key: str) -> dict[str, dict[str, float]]:
+    """The medians over pdxfer's good runs of what each run's ``extra[key]`` holds per
+    daemon role and name (peer messages per room, ms per state)."""
+    runs = [r["extra"].get(key) for r in wl["systems"].get("pdxfer", {}).get("runs", []) if not r["error"]]
     runs = [r for r in runs if r]
     if not runs:
         return {}
-    return {role: {kind: statistics.median(r[role].get(kind, 0.0) for r in runs) for kind in kinds}
-            for role, kinds in runs[0].items()}
+    return {role: {name: statistics.median(r[role].get(name, 0.0) for r in runs) for name in names}
+            for role, names in runs[0].items()}
 
 
 def _sweep_table(report: dict) -> list[str]:

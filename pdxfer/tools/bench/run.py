@@ -279,6 +279,19 @@ def _control_messages(before: dict, after: dict, kind: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def _state_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms a room (of one rank) spent in each state it left during the run, from the
+    daemon's pdxfer_room_state_seconds sums and counts."""
+    out = {}
+    for key in after:  # in the order of a room's life
+        if key.startswith("state_seconds:"):
+            state = key.partition(":")[2]
+            left = after.get(f"state_left:{state}", 0.0) - before.get(f"state_left:{state}", 0.0)
+            if left:
+                out[state] = (after[key] - before.get(key, 0.0)) / left * 1000.0
+    return out
+
+
 def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress) -> RunResult:
     w = plan.workload
     result = RunResult("pdxfer", w.name, len(plan.rooms), extra={"aux_path": opts.aux_path, "topology": w.topology})
@@ -365,6 +378,7 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
                             role: {k.partition(":")[2]: _control_messages(before[role], c, k.partition(":")[2]) / len(plan.rooms)
                                    for k in sorted(c) if k.startswith("peer_messages_in:room")}
                             for role, c in after.items()})
+    result.extra["state_ms"] = {role: _state_ms(before[role], c) for role, c in after.items()}
     # Daemons start afresh for each run: their count covers its set-up, window and check.
     result.extra["cpu_takebacks"] = int(counters["cpu_takebacks"] + after["decode"]["cpu_takebacks"])
     result.mismatches = sum(summaries[name]["mismatches"] for name in names["decode"])
