@@ -291,7 +291,10 @@ def test_bench_runs_every_workload_and_system_at_a_tiny_size():
     for role in ("prefill", "decode"):
         states = runs[0]["extra"]["state_ms"][role]
         assert list(states)[0] == "bootstrapping" and states["transferring"] > 0, (role, states)
-    assert "ms a rank's room spent in each state it left" in format_report(report)
+    prefill = runs[0]["extra"]["state_ms"]["prefill"]
+    assert 0 < prefill["job write"] < prefill["transferring"] and prefill["job queue"] >= 0  # the writes are part of its transfer
+    assert "job write" not in runs[0]["extra"]["state_ms"]["decode"]  # it writes nothing
+    assert "ms a rank's room spent in each state it left, and a write job queued and writing" in format_report(report)
     starved = "left SCHED_IDLE (other processes starved them) in 1 of 1 runs"
     assert (starved in format_report(report)) is (runs[0]["extra"]["cpu_takebacks"] > 0)
     runs[0]["extra"]["cpu_takebacks"] = 2

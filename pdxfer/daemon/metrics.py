@@ -154,6 +154,11 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)
+        yield CounterMetricFamily("pdxfer_jobs_written", "Write jobs (a leg's chunk each) whose every write completed", value=pump.jobs_written)
+        yield CounterMetricFamily("pdxfer_job_queue_seconds", "Seconds those jobs waited for their first write, behind other jobs to the peer",
+                                  value=pump.job_queue_seconds)
+        yield CounterMetricFamily("pdxfer_job_write_seconds", "Seconds those jobs took from their first write until every write completed",
+                                  value=pump.job_write_seconds)
         daemon = metrics.daemon
         yield CounterMetricFamily(
             "pdxfer_transfer_engine_process_restarts", "Times the transfer engine's own process ended and another took over (--transfer-engine-process child)",

@@ -95,6 +95,8 @@ class Job:
     queued: bool = False  # still has blocks waiting in its peer's queue
     abandoned: bool = False  # the pump failed; writes of this job may still land
     settled: bool = False
+    queued_at: float = 0.0  # monotonic: handed to the pump
+    started_at: float = 0.0  # its first block submitted (0: none yet)
 
     @property
     def ok(self) -> bool:

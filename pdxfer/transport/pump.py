@@ -92,6 +92,11 @@ class TransferPump:
         self.failed_writes = 0
         self.stalls = 0
         self.resets = 0
+        # Jobs written whole, and the seconds they waited for their first write (queued
+        # behind other jobs to the peer) and then took until every write settled.
+        self.jobs_written = 0
+        self.job_queue_seconds = 0.0
+        self.job_write_seconds = 0.0
         self._inbox: deque[Job] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -113,6 +118,7 @@ class TransferPump:
             self._thread.start()
 
     def submit(self, job: Job) -> None:
+        job.queued_at = time.monotonic()
         self._inbox.append(job)
         self._wake.set()
 
@@ -262,6 +268,7 @@ class TransferPump:
                 job.next = end
             if not peer.in_flight:
                 peer.progress_at = now
+            job.started_at = job.started_at or now
             handles = self.transport.submit(sessions, src, dst, length)
             self.blocks_submitted += len(indices)
             for index, handle, nbytes in zip(indices, handles, length):
@@ -393,6 +400,12 @@ class TransferPump:
             self.loop.call_soon_threadsafe(_report, self.on_write_failed, self._failed_to)
             self._failed_to = set()
         if self._finished:
+            now = time.monotonic()
+            for job in self._finished:
+                if job.ok and job.started_at:
+                    self.jobs_written += 1
+                    self.job_queue_seconds += job.started_at - job.queued_at
+                    self.job_write_seconds += now - job.started_at
             self.loop.call_soon_threadsafe(_deliver, self._finished)
             self._finished = []
 

@@ -57,7 +57,7 @@ def _workload_table(name: str, wl: dict) -> list[str]:
         lines.append("  pdxfer room messages in per room (medians): " + "; ".join(
             f"{role} daemon " + ", ".join(f"{kind} {n:.2f}" for kind, n in kinds.items()) for role, kinds in per_room.items()))
     if states := _per_daemon_medians(wl, "state_ms"):
-        lines.append("  pdxfer ms a rank's room spent in each state it left (medians): " + "; ".join(
+        lines.append("  pdxfer ms a rank's room spent in each state it left, and a write job queued and writing (medians): " + "; ".join(
             f"{role} daemon " + ", ".join(f"{state} {ms:.2f}" for state, ms in by_state.items()) for role, by_state in states.items()))
     if equal := wl.get("equal_tp"):
         for system in ("pdxfer", "baseline"):

@@ -281,7 +281,8 @@ def _control_messages(before: dict, after: dict, kind: str) -> float:
 
 def _state_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean ms a room (of one rank) spent in each state it left during the run, from the
-    daemon's pdxfer_room_state_seconds sums and counts."""
+    daemon's pdxfer_room_state_seconds sums and counts; and, at a daemon that wrote, a
+    write job's (a leg's chunk) ms queued before its first write and writing."""
     out = {}
     for key in after:  # in the order of a room's life
         if key.startswith("state_seconds:"):
@@ -289,6 +290,10 @@ def _state_ms(before: dict, after: dict) -> dict[str, float]:
             left = after.get(f"state_left:{state}", 0.0) - before.get(f"state_left:{state}", 0.0)
             if left:
                 out[state] = (after[key] - before.get(key, 0.0)) / left * 1000.0
+    jobs = after.get("jobs_written", 0.0) - before.get("jobs_written", 0.0)
+    for phase in ("queue", "write") if jobs else ():  # a write job's, at the daemon that writes
+        key = f"job_{phase}_seconds"
+        out[f"job {phase}"] = (after[key] - before.get(key, 0.0)) / jobs * 1000.0
     return out
 
 
