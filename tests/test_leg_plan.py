@@ -217,8 +217,8 @@ def test_head_major_hetero_has_one_block_per_region_page():
 def test_leg_region_pairs_match_by_layer_and_kind_within_the_layers():
     src = regions_of(range(2, 4), (K, V), 32)
     dst = regions_of(range(5), (K, V), 32)
-    assert leg_region_pairs(src, dst, (2, 4)) == [(0, 4), (1, 5), (2, 6), (3, 7)]
-    assert leg_region_pairs(src, dst, (3, 4)) == [(2, 6), (3, 7)]
+    assert leg_region_pairs(src, dst, (2, 4)) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert leg_region_pairs(src, dst, (3, 4)) == ((2, 6), (3, 7))
 
 
 def test_missing_layer_kind_is_refused_naming_each():
