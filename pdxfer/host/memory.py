@@ -174,7 +174,7 @@ class SharedMemory:
         try:
             os.posix_fallocate(fd, offset, nbytes)
         except OSError as exc:
-            raise InsufficientCapacity(f"shared memory cannot back {nbytes} more bytes of {self.name}: {exc.strerror}") from None
+            raise InsufficientCapacity(f"{SHM_DIR} cannot back {nbytes} more bytes of {self.name} ({exc.strerror})") from None
         finally:
             os.close(fd)
 

@@ -15,7 +15,6 @@ from ..core.plan import canonical, compat_of, leg_region_pairs, region_addresses
 from ..core.protocol import Compat, KVRegion, KVSpec, MemoryHandle, PageOrder, Rank
 from ..core.staging import StagedLayout, StagingArena, slice_span, worth_staging
 from ..core.topology import rank_code
-from ..host.memory import SHM_DIR
 from ..core.slots import SlotAllocator
 from ..core.stamp import HEADER_BYTES, Stamp, pack_header, unpack_header
 
@@ -139,14 +138,15 @@ class Staging:
         logged, with the size that would hold it, each time one larger than any before
         comes; one that shared memory cannot back, at the 1st, 2nd, 4th, 8th... time."""
         offset = self.arena.take(nbytes)
-        if offset is not None and not self._back(offset, nbytes):
-            self.arena.give(offset)
-            self.unbacked += 1
-            if self.unbacked & (self.unbacked - 1) == 0:
-                log.warning("shared memory is full: %.1f MiB of the staging buffer could not be backed, so a leg or chunk "
-                            "writes between the pages, far slower for short slices (%d so far); free space in %s or make it "
-                            "larger", nbytes / 2**20, self.unbacked, SHM_DIR)
-            offset = None
+        if offset is not None:
+            unbacked = self._back(offset, nbytes)
+            if unbacked:
+                self.arena.give(offset)
+                self.unbacked += 1
+                if self.unbacked & (self.unbacked - 1) == 0:
+                    log.warning("%s, so a leg or chunk of %.1f MiB writes between the pages, far slower for short slices (%d so far); "
+                                "free some or make it larger", unbacked, nbytes / 2**20, self.unbacked)
+                offset = None
         if offset is None:
             self.full += 1
             if nbytes > self.arena.size and nbytes > self.largest_refused:
@@ -157,21 +157,22 @@ class Staging:
                             -(-nbytes // 2**20) * 2)
         return offset
 
-    def _back(self, offset: int, nbytes: int) -> bool:
-        """Whether [offset, +nbytes) has pages, backing the units it reaches that had none
-        (memory.SharedMemory.reserve): writing an unbacked page once /dev/shm is full
-        kills the writer (SIGBUS), the daemon itself when a prefill gathers."""
+    def _back(self, offset: int, nbytes: int) -> str:
+        """Why [offset, +nbytes) cannot have pages, or "" once it has them, backing the
+        units it reaches that had none (memory.SharedMemory.reserve): writing an
+        unbacked page once /dev/shm is full kills the writer (SIGBUS), the daemon
+        itself when a prefill gathers."""
         first, end = offset // RESERVE_UNIT, -(-(offset + nbytes) // RESERVE_UNIT)
         missing = np.flatnonzero(~self._backed[first:end])
         if missing.size == 0:
-            return True
+            return ""
         start, stop = first + int(missing[0]), first + int(missing[-1]) + 1
         try:
             self.memory.reserve(start * RESERVE_UNIT, min(stop * RESERVE_UNIT, self.memory.size) - start * RESERVE_UNIT)
-        except errors.InsufficientCapacity:
-            return False
+        except errors.InsufficientCapacity as exc:
+            return exc.message
         self._backed[start:stop] = True
-        return True
+        return ""
 
     @property
     def base(self) -> int:

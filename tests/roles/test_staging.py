@@ -66,7 +66,7 @@ class _Memory:
 
     def reserve(self, offset: int, nbytes: int) -> None:
         if not self.backable:
-            raise InsufficientCapacity("No space left on device")
+            raise InsufficientCapacity("/dev/shm cannot back 2097152 more bytes of pdxfer-staging-1-ab (No space left on device)")
         self.reserved.append((offset, nbytes))
 
 
@@ -159,7 +159,8 @@ def test_an_extent_shared_memory_cannot_back_is_refused_and_said_without_floodin
     assert (staging.full, staging.unbacked, staging.arena.taken_bytes) == (5, 5, 0)  # nothing kept taken
     told = [r.getMessage() for r in caplog.records if r.name == "pdxfer.staging"]
     assert len(told) == 3  # the 1st, 2nd and 4th time
-    assert "shared memory is full" in told[0] and "/dev/shm" in told[0] and "(1 so far)" in told[0] and "(4 so far)" in told[2]
+    assert told[0].startswith("/dev/shm cannot back") and "writes between the pages" in told[0]
+    assert "(1 so far)" in told[0] and "(4 so far)" in told[2] and "free some or make it larger" in told[0]
     staging.memory.backable = True  # space came back: staging resumes
     assert staging.take(ALIGN) == 0 and staging.full == 5
 
