@@ -19,7 +19,9 @@ import sys
 
 import pytest
 
+from pdxfer.core.errors import InsufficientCapacity
 from pdxfer.core.staging import staging_mib
+from pdxfer.host.memory import SHM_DIR, SharedMemory
 
 from .conftest import needs_mooncake
 
@@ -54,3 +56,18 @@ def test_a_full_dev_shm_makes_a_gathering_prefill_write_between_the_pages_instea
     assert run["ok"] == ROOMS  # every room succeeded, the prefill daemon alive to the end
     log = (workdir / "medium-pdxfer-1" / "prefill-daemon.log").read_text()
     assert "/dev/shm cannot back" in log and "No space left on device" in log  # it did find /dev/shm full, and fell back
+
+
+def test_reserve_backs_a_range_of_sparse_shared_memory_and_says_why_it_could_not():
+    memory = SharedMemory.create(8 << 20, "pdxfer-test-reserve", populate=False)
+    path = os.path.join(SHM_DIR, memory.name)
+    try:
+        assert os.stat(path).st_blocks == 0  # sparse: no pages yet
+        memory.reserve(2 << 20, 4 << 20)
+        assert os.stat(path).st_blocks * 512 == 4 << 20  # exactly the range, before anything touched it
+        os.unlink(path)  # say an operator removed the name: refused, not an OSError out of the daemon's handler
+        with pytest.raises(InsufficientCapacity, match=r"^/dev/shm cannot back 1048576 more bytes of pdxfer-test-reserve-.*No such file"):
+            memory.reserve(0, 1 << 20)
+    finally:
+        memory.owner = os.path.exists(path)
+        memory.close()

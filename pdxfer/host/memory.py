@@ -170,13 +170,14 @@ class SharedMemory:
         """Back [offset, offset + nbytes) with pages now, for memory created without
         them: a page first touched once the filesystem is full ends its toucher with
         SIGBUS, whereas this raises InsufficientCapacity (nothing of the range is kept)."""
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, offset, nbytes)
+        try:  # by its name: the descriptor was closed once mapped (an operator may have removed the name since)
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, offset, nbytes)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise InsufficientCapacity(f"{SHM_DIR} cannot back {nbytes} more bytes of {self.name} ({exc.strerror})") from None
-        finally:
-            os.close(fd)
 
     @property
     def handle(self) -> ShmHandle:
