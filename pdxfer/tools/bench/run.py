@@ -274,9 +274,13 @@ def _rank_names(w) -> dict[str, list[str]]:
     return {side: [f"{side}-{r}" for r in range(w.tp(side))] for side in ("prefill", "decode")}
 
 
-def _control_messages(before: dict, after: dict, kind: str) -> float:
-    key = f"peer_messages_in:{kind}"
+def _grew(before: dict, after: dict, key: str) -> float:
+    """How much a daemon's counter ``key`` grew between two samples of its counters."""
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _control_messages(before: dict, after: dict, kind: str) -> float:
+    return _grew(before, after, f"peer_messages_in:{kind}")
 
 
 def _state_ms(before: dict, after: dict) -> dict[str, float]:
@@ -287,13 +291,12 @@ def _state_ms(before: dict, after: dict) -> dict[str, float]:
     for key in after:  # in the order of a room's life
         if key.startswith("state_seconds:"):
             state = key.partition(":")[2]
-            left = after.get(f"state_left:{state}", 0.0) - before.get(f"state_left:{state}", 0.0)
+            left = _grew(before, after, f"state_left:{state}")
             if left:
-                out[state] = (after[key] - before.get(key, 0.0)) / left * 1000.0
-    jobs = after.get("jobs_written", 0.0) - before.get("jobs_written", 0.0)
+                out[state] = _grew(before, after, key) / left * 1000.0
+    jobs = _grew(before, after, "jobs_written")
     for phase in ("queue", "write") if jobs else ():  # a write job's, at the daemon that writes
-        key = f"job_{phase}_seconds"
-        out[f"job {phase}"] = (after[key] - before.get(key, 0.0)) / jobs * 1000.0
+        out[f"job {phase}"] = _grew(before, after, f"job_{phase}_seconds") / jobs * 1000.0
     return out
 
 
