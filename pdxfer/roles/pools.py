@@ -139,13 +139,13 @@ class Staging:
         comes; one that shared memory cannot back, at the 1st, 2nd, 4th, 8th... time."""
         offset = self.arena.take(nbytes)
         if offset is not None:
-            unbacked = self._back(offset, nbytes)
-            if unbacked:
+            why_not = self._back(offset, nbytes)
+            if why_not:
                 self.arena.give(offset)
                 self.unbacked += 1
                 if self.unbacked & (self.unbacked - 1) == 0:
                     log.warning("%s, so a leg or chunk of %.1f MiB writes between the pages, far slower for short slices (%d so far); "
-                                "free some or make it larger", unbacked, nbytes / 2**20, self.unbacked)
+                                "free some or make it larger", why_not, nbytes / 2**20, self.unbacked)
                 offset = None
         if offset is None:
             self.full += 1
