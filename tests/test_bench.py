@@ -342,9 +342,10 @@ def test_bench_catches_a_corrupted_byte_in_every_system():
 def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
     """--topology 2:1: two prefill rank processes, one decode rank, one daemon per side
     serving all of its ranks; the baseline writes the same legs' blocks between the same
-    per-rank pools; every byte of every decode rank checked against the heads it holds."""
+    per-rank pools; every byte of every decode rank checked against the heads it holds.
+    The daemons' staging buffers are backed before the first room (--staging-at-start)."""
     code, report, err = bench("--workloads", "medium,small", "--systems", "wire,baseline,pdxfer", "--topology", "2:1",
-                              "--heads", "8", "--compare-equal-tp", "--inline-kv-bytes", "0")
+                              "--heads", "8", "--compare-equal-tp", "--inline-kv-bytes", "0", "--staging-at-start")
     assert code == 0, err
     assert set(report["workloads"]) == {"medium", "small", "medium-equal-tp", "small-equal-tp"}
     for name in ("medium", "small"):
@@ -369,6 +370,7 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
         assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["lanes"] == {"prefill": 1, "decode": 1}
     assert "medium GB/s TP 2:1 >= 0.9x 1:1 (head-major)" in {t["target"] for t in report["targets"]}
     assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)
+    assert "staging buffers: backed and mapped before the first room (--staging-at-start)" in format_report(report)
 
 
 def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_path, monkeypatch):

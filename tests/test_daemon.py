@@ -58,6 +58,28 @@ def test_daemon_without_the_device_it_was_asked_for_exits_saying_what_is_missing
     assert "Transfer Engine" not in text
 
 
+def _staging_rss(pid: int) -> int:
+    """Bytes of a process's staging buffer mapping it has pages mapped for (smaps Rss)."""
+    rss, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as fh:
+        for line in fh:
+            if "-" in line.split(maxsplit=1)[0]:  # a mapping's first line: address range, perms, offset, dev, inode, path
+                inside = "pdxfer-staging" in line
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@needs_mooncake
+def test_staging_at_start_backs_the_buffer_and_maps_it_in_the_daemon_and_its_engine_process(daemons):
+    lazy = daemons("decode", "--staging-mib", "8", name="lazy")
+    eager = daemons("decode", "--staging-mib", "8", "--staging-at-start", name="eager")
+    # As it starts, a daemon's buffer has no pages: its engine's threads would take a fault a page as legs land.
+    assert _staging_rss(lazy.pid) == 0 and _staging_rss(lazy.ready["engine_pid"]) == 0
+    # With --staging-at-start every page is there and mapped, where the engine writes and where the daemon copies.
+    assert _staging_rss(eager.pid) == 8 << 20 and _staging_rss(eager.ready["engine_pid"]) == 8 << 20
+
+
 @needs_mooncake
 def test_daemon_refuses_unacknowledged_tcp_writes(runtime_dir, tmp_path):
     log = tmp_path / "proto.log"

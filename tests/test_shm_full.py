@@ -12,6 +12,7 @@ and util-linux's unshare."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -71,3 +72,47 @@ def test_reserve_backs_a_range_of_sparse_shared_memory_and_says_why_it_could_not
     finally:
         memory.owner = os.path.exists(path)
         memory.close()
+
+
+def _faults() -> int:
+    """This process's minor page faults so far."""
+    return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+
+
+def test_populate_backs_and_maps_every_page_so_that_writing_them_takes_no_faults():
+    memory = SharedMemory.create(8 << 20, "pdxfer-test-populate", populate=False)
+    path = os.path.join(SHM_DIR, memory.name)
+    try:
+        pages = memory.array[:: mmap.PAGESIZE]
+        before = _faults()
+        pages[: pages.size // 2] = 1  # the first half, as a staged leg's engine thread would: a fault a page
+        assert _faults() - before >= pages.size // 2
+        assert memory.populate() == ""
+        assert os.stat(path).st_blocks * 512 == 8 << 20  # every page backed
+        assert (pages[: pages.size // 2] == 1).all() and not pages[pages.size // 2 :].any()  # populating wrote nothing
+        before = _faults()
+        pages[:] = 2  # the second half too, now mapped: a few faults at most (the interpreter's own), not one a page
+        assert _faults() - before < pages.size // 8
+    finally:
+        memory.close()
+
+
+@pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "-")
+def test_populate_where_dev_shm_cannot_hold_it_keeps_nothing_and_says_why(tmp_path):
+    script = (
+        "import os\n"
+        "from pdxfer.host.memory import SHM_DIR, SharedMemory\n"
+        "memory = SharedMemory.create(8 << 20, 'pdxfer-test-populate', populate=False)\n"
+        "with open(os.path.join(SHM_DIR, 'filler'), 'wb') as fh:\n"  # /dev/shm fills after the buffer was made
+        "    os.posix_fallocate(fh.fileno(), 0, 12 << 20)\n"
+        "print(memory.populate())\n"
+        "print(os.stat(os.path.join(SHM_DIR, memory.name)).st_blocks)\n"
+        "memory.close()\n"
+    )
+    mount = "mount -t tmpfs -o size=16m tmpfs /dev/shm && exec \"$@\""
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    why, blocks = proc.stdout.splitlines()
+    assert why.startswith("/dev/shm cannot back 8388608 more bytes of pdxfer-test-populate-") and "No space left on device" in why
+    assert blocks == "0"  # nothing of it kept: the daemon backs its staging buffer as legs reach it instead

@@ -79,6 +79,7 @@ class Daemon:
         self.yielding: cpu_yield.Yielding | None = None  # None: the daemon's threads keep the normal policy
         self.cpu_takebacks = 0
         self.staging: memory.SharedMemory | None = None  # the staging buffer (core/staging.py)
+        self.staging_backed = False  # every page of it backed and mapped at start (--staging-at-start)
         self.copier: ThreadPoolExecutor | None = None  # threads copying staged legs into pages (decode)
         self._taken_back: list[int] = []  # threads that left SCHED_IDLE, to yield again
         self._engine_calls_in_window = 0  # work for the daemon that cpu_yield judges starvation by
@@ -199,7 +200,7 @@ class Daemon:
         cfg = self.config
         # The log level is set once, before this: without debug logging the table tells the metrics directly.
         observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
-        staging = Staging(self.staging) if self.staging is not None else None
+        staging = Staging(self.staging, backed=self.staging_backed) if self.staging is not None else None
         if cfg.role is Role.PREFILL:
             return PrefillService(cfg, self.incarnation, PrefillDaemonPort(self, observe), sessions=self.sessions,
                                   bootstrap_address=self.bootstrap_address, staging=staging)
@@ -210,7 +211,8 @@ class Daemon:
 
     async def _open_staging(self, size: int) -> memory.SharedMemory | None:
         """The staging buffer (core/staging.py), registered with the transport; None, with a
-        warning, when shared memory cannot hold it (legs then write between the pages)."""
+        warning, when shared memory cannot hold it (legs then write between the pages).
+        With --staging-at-start its pages are backed and mapped now (self.staging_backed)."""
         loop = asyncio.get_running_loop()
         try:
             # Not populated: it takes memory only as legs are staged into it (an idle or equal-TP daemon's stays empty).
@@ -218,8 +220,14 @@ class Daemon:
         except PdxferError as exc:
             log.warning("no staging buffer (--staging-mib %d): %s; legs between ranks of different TP write between the pages", size >> 20, exc)
             return None
+        if self.config.staging_at_start:
+            why_not = await loop.run_in_executor(None, staging.populate)
+            if why_not:
+                log.warning("--staging-at-start: %s; the staging buffer is backed as legs reach it instead", why_not)
+            self.staging_backed = not why_not
         try:
-            await loop.run_in_executor(None, self.transport.register, staging.address, size, False)
+            # Backed whole, the engine's process maps it populated: a new one after a restart too.
+            await loop.run_in_executor(None, self.transport.register, staging.address, size, self.staging_backed)
         except BaseException:
             staging.close()
             raise

@@ -102,6 +102,18 @@ class _FixedMapping:
 
 MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: fail with EEXIST rather than replace what is there
 MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing now; the bytes stay as they are
+
+
+def prefault(address: int, length: int) -> str:
+    """Map [address, +length) of this process's shared memory, whose file already
+    has the pages (SharedMemory.reserve), for writing now, so that the thread that
+    first writes there takes no page faults; "" when done, else why not (a kernel
+    before 5.14). The bytes are untouched: a write landing meanwhile is kept."""
+    start = address - address % mmap.PAGESIZE
+    if libc().madvise(start, address + length - start, MADV_POPULATE_WRITE) == 0:
+        return ""
+    return os.strerror(ctypes.get_errno())
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,6 +123,7 @@ def libc():
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -178,6 +191,16 @@ class SharedMemory:
                 os.close(fd)
         except OSError as exc:
             raise InsufficientCapacity(f"{SHM_DIR} cannot back {nbytes} more bytes of {self.name} ({exc.strerror})") from None
+
+    def populate(self) -> str:
+        """Back every page now (reserve) and map them here for writing (prefault), for
+        memory created without them; "" when done, else why not (nothing is kept
+        where /dev/shm cannot hold it)."""
+        try:
+            self.reserve(0, self.size)
+        except InsufficientCapacity as exc:
+            return exc.message
+        return prefault(self.address, self.size)
 
     @property
     def handle(self) -> ShmHandle:

@@ -122,6 +122,7 @@ class Staging:
     transfer engines, and the extents taken in it."""
 
     memory: object  # memory.SharedMemory
+    backed: bool = False  # every page backed already (--staging-at-start)
 
     def __post_init__(self) -> None:
         self.arena = StagingArena(self.memory.size)
@@ -129,8 +130,9 @@ class Staging:
         self.largest_refused = 0  # bytes of the largest one that could never fit, 0 if none
         self.unbacked = 0  # of those, the ones whose extent shared memory could not back
         # The buffer is created without pages (an idle daemon's takes no memory); each
-        # RESERVE_UNIT is backed the first time an extent reaches into it, and stays so.
-        self._backed = np.zeros(-(-self.memory.size // RESERVE_UNIT), bool)
+        # RESERVE_UNIT is backed the first time an extent reaches into it, and stays so
+        # (all of them at start with --staging-at-start).
+        self._backed = np.full(-(-self.memory.size // RESERVE_UNIT), self.backed)
 
     def take(self, nbytes: int) -> int | None:
         """The offset of a free extent of ``nbytes``, backed by pages, or None (counted):

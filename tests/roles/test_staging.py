@@ -152,6 +152,12 @@ def test_an_extent_is_backed_with_pages_before_it_is_handed_out_each_unit_once()
     assert staging.memory.reserved[-1] == (2 * RESERVE_UNIT, 2 * RESERVE_UNIT)  # its units not backed before, only
 
 
+def test_a_buffer_backed_at_start_hands_out_extents_without_backing_any_again():
+    staging = Staging(_Memory(8 * RESERVE_UNIT), backed=True)  # --staging-at-start did it whole
+    assert [staging.take(2 * RESERVE_UNIT) for _ in range(4)] == [i * 2 * RESERVE_UNIT for i in range(4)]
+    assert staging.memory.reserved == [] and staging.full == 0
+
+
 def test_an_extent_shared_memory_cannot_back_is_refused_and_said_without_flooding_the_log(caplog):
     staging = Staging(_Memory(8 * RESERVE_UNIT))
     staging.memory.backable = False

@@ -194,6 +194,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode daemon's --staging-mib: its buffer for legs from prefill ranks holding fewer KV heads, "
                    "which then write runs of whole pages instead of a slice per page; 0 writes into the pages "
                    "(default: the daemon's default)")
+    g.add_argument("--staging-at-start", action="store_true",
+                   help="both daemons' --staging-at-start: their staging buffers are backed and mapped before the first "
+                   "room, as a daemon that has run a while has them, instead of page by page as the first staged legs "
+                   "write them (default: off, as the daemons start)")
     g.add_argument("--stage-spans-below-kib", type=int, default=None, metavar="KIB",
                    help="both daemons' --stage-spans-below-kib: slices whose spans are shorter are staged (default: the "
                    "daemons' default, as measured for the protocol)")

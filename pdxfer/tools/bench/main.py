@@ -284,6 +284,7 @@ def run_all(args: argparse.Namespace, workloads: list[Workload], plans: dict, wo
         opts = RunOptions(workdir=run_dir, timeout=args.timeout, aux_path=args.aux_path, api=api or "submit",
                           window=args.window, corrupt=system in args.corrupt, inline_kv_bytes=args.inline_kv_bytes,
                           expect_batch_ms=args.expect_batch_ms, staging_mib=args.staging_mib, stage_spans_below_kib=args.stage_spans_below_kib,
+                          staging_at_start=args.staging_at_start,
                           tcp_lanes=args.tcp_lanes, tcp_engines=args.tcp_engines, baseline_engines=args.baseline_engines)
 
         def progress(done: int, nbytes: int, mismatches: int) -> None:

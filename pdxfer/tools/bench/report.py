@@ -204,6 +204,11 @@ def format_report(report: dict) -> str:
         f"  transfer engines per process: baseline {cfg.get('baseline_engines', 1)}, pdxfer daemons "
         f"{cfg.get('tcp_engines', 1)} (--baseline-engines, --tcp-engines), writes spread over them in turn",
     ]
+    if cfg.get("staging_at_start"):
+        lines.append("  pdxfer daemons' staging buffers: backed and mapped before the first room (--staging-at-start)")
+    elif len(set(cfg.get("topology", (1, 1)))) > 1:
+        lines.append("  pdxfer daemons' staging buffers: backed as staged legs first reach them, so a fresh daemon's first "
+                     "legs take page faults in the engine's threads (--staging-at-start: before the first room)")
     if box["foreign_share"] > BUSY_SHARE:
         lines.append(f"  WARNING: other processes used {box['foreign_cpu_s']:.0f} CPU-seconds ({box['foreign_share']:.0%} of the box) "
                      "while this ran; the figures are unreliable")

@@ -47,6 +47,7 @@ class RunOptions:
     expect_batch_ms: float | None = None  # the decode daemon's --expect-batch-ms (None: its default)
     staging_mib: int | None = None  # the decode daemon's --staging-mib (None: its default)
     stage_spans_below_kib: int | None = None  # both daemons' --stage-spans-below-kib (None: their default)
+    staging_at_start: bool = False  # both daemons' --staging-at-start
     tcp_lanes: int = TCP_LANES  # pdxfer's --tcp-lanes and the baseline engines' MC_TCP_LANES_PER_PEER (0: the engine's default)
     tcp_engines: int = TCP_ENGINES  # pdxfer daemons' --tcp-engines
     baseline_engines: int = 1  # transfer engines in each baseline process
@@ -248,6 +249,8 @@ def _start_daemons(runtime: str, opts: RunOptions) -> dict:
         flags += ["--inline-kv-bytes", str(opts.inline_kv_bytes)]
     if opts.stage_spans_below_kib is not None:
         flags += ["--stage-spans-below-kib", str(opts.stage_spans_below_kib)]
+    if opts.staging_at_start:
+        flags += ["--staging-at-start"]
     decode = [] if opts.expect_batch_ms is None else ["--expect-batch-ms", str(opts.expect_batch_ms)]
     own = {"prefill": [], "decode": decode + ([] if opts.staging_mib is None else ["--staging-mib", str(opts.staging_mib)])}
     logs = {role: open(_log(opts.workdir, f"{role}-daemon"), "w") for role in ("prefill", "decode")}
