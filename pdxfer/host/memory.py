@@ -105,15 +105,12 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing now; the bytes stay as they are
 
 
-def prefault(address: int, length: int) -> str:
-    """Map [address, +length) of this process's shared memory, whose file already
-    has the pages (SharedMemory.reserve), for writing now, so that the thread that
-    first writes there takes no page faults; "" when done, else why not (a kernel
-    before 5.14). The bytes are untouched: a write landing meanwhile is kept."""
+def _prefault(address: int, length: int) -> bool:
+    """Map [address, +length) of this process's shared memory, whose file already has
+    the pages (SharedMemory.reserve), for writing now, the bytes untouched; False on
+    a kernel before 5.14."""
     start = address - address % mmap.PAGESIZE
-    if libc().madvise(start, address + length - start, MADV_POPULATE_WRITE) == 0:
-        return ""
-    return os.strerror(ctypes.get_errno())
+    return libc().madvise(start, address + length - start, MADV_POPULATE_WRITE) == 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,14 +190,16 @@ class SharedMemory:
             raise InsufficientCapacity(f"{SHM_DIR} cannot back {nbytes} more bytes of {self.name} ({exc.strerror})") from None
 
     def populate(self) -> str:
-        """Back every page now (reserve) and map them here for writing (prefault), for
-        memory created without them; "" when done, else why not (nothing is kept
-        where /dev/shm cannot hold it)."""
+        """Back every page now (reserve) and map them here, so that the thread that
+        first writes one takes no page fault, for memory created without them; "" when
+        done, else why not (nothing is kept where /dev/shm cannot hold it)."""
         try:
             self.reserve(0, self.size)
         except InsufficientCapacity as exc:
             return exc.message
-        return prefault(self.address, self.size)
+        if not _prefault(self.address, self.size):
+            self.array[:: mmap.PAGESIZE].max()  # before Linux 5.14: reading maps a page of shared memory writable too
+        return ""
 
     @property
     def handle(self) -> ShmHandle:
