@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -122,9 +122,9 @@ class Staging:
     transfer engines, and the extents taken in it."""
 
     memory: object  # memory.SharedMemory
-    backed: bool = False  # every page backed already (--staging-at-start)
+    backed: InitVar[bool] = False  # every page backed already (--staging-at-start); _backed holds it from then on
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, backed: bool) -> None:
         self.arena = StagingArena(self.memory.size)
         self.full = 0  # legs or chunks that would have gained from an extent but found none free
         self.largest_refused = 0  # bytes of the largest one that could never fit, 0 if none
@@ -132,7 +132,7 @@ class Staging:
         # The buffer is created without pages (an idle daemon's takes no memory); each
         # RESERVE_UNIT is backed the first time an extent reaches into it, and stays so
         # (all of them at start with --staging-at-start).
-        self._backed = np.full(-(-self.memory.size // RESERVE_UNIT), self.backed)
+        self._backed = np.full(-(-self.memory.size // RESERVE_UNIT), backed)
 
     def take(self, nbytes: int) -> int | None:
         """The offset of a free extent of ``nbytes``, backed by pages, or None (counted):

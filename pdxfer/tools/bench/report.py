@@ -195,10 +195,11 @@ def _lanes(n: int) -> str:
 
 def format_report(report: dict) -> str:
     cfg, box = report["config"], report["box"]
+    topology = cfg.get("topology", (1, 1))
     lines = [
         f"pdxfer bench: medians of {cfg['repeat']} run(s) per workload and system; TCP over loopback, "
         f"{_lanes(cfg.get('tcp_lanes', 0))} per peer for pdxfer and baseline; seed {cfg['seed']}; "
-        f"pages {cfg.get('placement', 'scattered')}; TP {':'.join(map(str, cfg.get('topology', (1, 1))))} "
+        f"pages {cfg.get('placement', 'scattered')}; TP {':'.join(map(str, topology))} "
         f"({cfg.get('heads', 1)} KV heads, {cfg.get('page_order', 'token_major').replace('_', '-')}); "
         f"{box['cpus']} CPUs, {box['seconds']:.0f} s",
         f"  transfer engines per process: baseline {cfg.get('baseline_engines', 1)}, pdxfer daemons "
@@ -206,7 +207,7 @@ def format_report(report: dict) -> str:
     ]
     if cfg.get("staging_at_start"):
         lines.append("  pdxfer daemons' staging buffers: backed and mapped before the first room (--staging-at-start)")
-    elif len(set(cfg.get("topology", (1, 1)))) > 1:
+    elif len(set(topology)) > 1:
         lines.append("  pdxfer daemons' staging buffers: backed as staged legs first reach them, so a fresh daemon's first "
                      "legs take page faults in the engine's threads (--staging-at-start: before the first room)")
     if box["foreign_share"] > BUSY_SHARE:
