@@ -164,6 +164,19 @@ def test_report_says_whether_the_pdxfer_daemons_yielded_the_cores(why, said):
     assert f"pdxfer daemons: their own threads {said}" in format_report(report)
 
 
+@pytest.mark.parametrize("topology, staging, said", [
+    ((2, 1), {}, "backed as staged legs first reach them"),
+    ((2, 1), {"staging_at_start": True}, "backed and mapped before the first room"),
+    ((2, 1), {"staging_mib": 0}, None),  # no buffer to back
+    ((1, 1), {}, None),  # nothing staged at equal TP
+])
+def test_report_says_how_the_staging_buffers_were_backed_where_there_are_any(topology, staging, said):
+    report = {"config": {"repeat": 1, "seed": 1, "topology": topology, **staging}, "workloads": {}, "sweep": [], "targets": [],
+              "box": {"cpus": 2, "seconds": 9.0, "foreign_cpu_s": 0.0, "foreign_share": 0.0}}
+    lines = [line for line in format_report(report).splitlines() if "staging buffers" in line]
+    assert [said in line for line in lines] == ([True] if said else [])
+
+
 @pytest.mark.parametrize("probe, warned", [((10.0, 11.0), False), ((10.0, 14.0), True), ((14.0, 10.0), True)])
 def test_report_flags_a_cpu_speed_change_during_the_run(probe, warned):
     report = {"config": {"repeat": 1, "seed": 1}, "workloads": {}, "sweep": [], "targets": [],
@@ -368,9 +381,13 @@ def test_bench_runs_prefill_tp2_into_decode_tp1_with_the_fields_of_ranks():
         twin = report["workloads"][equal["workload"]]
         assert set(twin["systems"]) == {"baseline", "pdxfer"} and twin["kv_bytes"] == wl["kv_bytes"]
         assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["lanes"] == {"prefill": 1, "decode": 1}
+        # both legs of every room went through the decode's buffer, none found it full; equal TP stages nothing
+        assert run["extra"]["staging_per_room"] == {"decode": {"staged": 2.0, "buffer full": 0.0}}, name
+        assert twin["systems"]["pdxfer"]["runs"][0]["extra"]["staging_per_room"] == {}
     assert "medium GB/s TP 2:1 >= 0.9x 1:1 (head-major)" in {t["target"] for t in report["targets"]}
     assert "TP 2:1 (8 KV heads, head-major)" in format_report(report)
     assert "staging buffers: backed and mapped before the first room (--staging-at-start)" in format_report(report)
+    assert "pdxfer staging per room, legs (decode) or chunks (prefill) (medians): decode daemon staged 2.00, buffer full 0.00" in format_report(report)
 
 
 def test_ranks_in_lockstep_start_a_room_only_once_every_rank_has_one_free(tmp_path, monkeypatch):

@@ -59,6 +59,9 @@ def _workload_table(name: str, wl: dict) -> list[str]:
     if states := _per_daemon_medians(wl, "state_ms"):
         lines.append("  pdxfer ms a rank's room spent in each state it left, and a write job queued and writing (medians): " + "; ".join(
             f"{role} daemon " + ", ".join(f"{state} {ms:.2f}" for state, ms in by_state.items()) for role, by_state in states.items()))
+    if staging := _per_daemon_medians(wl, "staging_per_room"):
+        lines.append("  pdxfer staging per room, legs (decode) or chunks (prefill) (medians): " + "; ".join(
+            f"{role} daemon " + ", ".join(f"{what} {n:.2f}" for what, n in figures.items()) for role, figures in staging.items()))
     if equal := wl.get("equal_tp"):
         for system in ("pdxfer", "baseline"):
             if equal[system]:
@@ -85,12 +88,12 @@ def _workload_table(name: str, wl: dict) -> list[str]:
 
 def _per_daemon_medians(wl: dict, key: str) -> dict[str, dict[str, float]]:
     """The medians over pdxfer's good runs of what each run's ``extra[key]`` holds per
-    daemon role and name (peer messages per room, ms per state)."""
+    daemon role and name (peer messages per room, ms per state, staging per room)."""
     runs = [r["extra"].get(key) for r in wl["systems"].get("pdxfer", {}).get("runs", []) if not r["error"]]
     runs = [r for r in runs if r]
     if not runs:
         return {}
-    return {role: {name: statistics.median(r[role].get(name, 0.0) for r in runs) for name in names}
+    return {role: {name: statistics.median(r.get(role, {}).get(name, 0.0) for r in runs) for name in names}
             for role, names in runs[0].items()}
 
 
@@ -207,7 +210,7 @@ def format_report(report: dict) -> str:
     ]
     if cfg.get("staging_at_start"):
         lines.append("  pdxfer daemons' staging buffers: backed and mapped before the first room (--staging-at-start)")
-    elif len(set(topology)) > 1:
+    elif len(set(topology)) > 1 and cfg.get("staging_mib") != 0:
         lines.append("  pdxfer daemons' staging buffers: backed as staged legs first reach them, so a fresh daemon's first "
                      "legs take page faults in the engine's threads (--staging-at-start: before the first room)")
     if box["foreign_share"] > BUSY_SHARE:

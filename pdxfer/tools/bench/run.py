@@ -286,6 +286,15 @@ def _control_messages(before: dict, after: dict, kind: str) -> float:
     return _grew(before, after, f"peer_messages_in:{kind}")
 
 
+def _staging_per_room(before: dict, after: dict, rooms: int) -> dict[str, float]:
+    """Per room, the legs (decode) or chunks (prefill) a daemon staged, and those that
+    would have been but found its staging buffer full and wrote between the pages
+    (slower: a block per span); empty where it staged nothing."""
+    staged = _grew(before, after, "legs_staged") + _grew(before, after, "chunks_gathered")
+    full = _grew(before, after, "staging_full")
+    return {"staged": staged / rooms, "buffer full": full / rooms} if staged or full else {}
+
+
 def _state_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean ms a room (of one rank) spent in each state it left during the run, from the
     daemon's pdxfer_room_state_seconds sums and counts; and, at a daemon that wrote, a
@@ -390,6 +399,8 @@ def run_pdxfer(plan: Plan, plan_path: str, opts: RunOptions, progress: Progress)
                                    for k in sorted(c) if k.startswith("peer_messages_in:room")}
                             for role, c in after.items()})
     result.extra["state_ms"] = {role: _state_ms(before[role], c) for role, c in after.items()}
+    staging = {role: _staging_per_room(before[role], c, len(plan.rooms)) for role, c in after.items()}
+    result.extra["staging_per_room"] = {role: figures for role, figures in staging.items() if figures}
     # Daemons start afresh for each run: their count covers its set-up, window and check.
     result.extra["cpu_takebacks"] = int(counters["cpu_takebacks"] + after["decode"]["cpu_takebacks"])
     result.mismatches = sum(summaries[name]["mismatches"] for name in names["decode"])
