@@ -3,13 +3,12 @@ transfer engine over TCP on loopback, every destination byte checked."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from pdxfer.core import errors
 from pdxfer.core.protocol import Layout, RoomState
+from pdxfer.host.processes import socket_inodes
 from pdxfer.tools.launch import read_events, start_sim
 
 from .conftest import needs_mooncake, small_layout
@@ -60,14 +59,7 @@ def test_writes_spread_over_the_engines_of_both_daemons(daemons, prefill_engines
 
 def accepting_ports(pid: int) -> set[int]:
     """Ports a process listens on that hold established connections (accepted ones)."""
-    sockets = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            sockets.add(target[len("socket:[") : -1])
+    sockets = socket_inodes(pid)
     listening, established = set(), set()
     for table in ("tcp", "tcp6"):  # the engine listens on IPv6's any address
         with open(f"/proc/{pid}/net/{table}") as fh:

@@ -303,7 +303,7 @@ def test_the_table_catches_a_forbidden_import(tmp_path):
     assert circles(layer_graph(graph)) == [["cli", "tools"], ["core", "daemon"], ["roles", "transport"]]
 
 
-CORE = ["protocol", "errors", "config", "rooms", "slots", "plan", "staging", "stamp", "paths", "topology", "liveness"]
+CORE = ["protocol", "errors", "config", "rooms", "slots", "plan", "staging", "stamp", "paths", "topology", "liveness", "generations"]
 # socket and threading are checked too: today no stdlib or third-party dependency of
 # the core (msgspec, numpy, tomllib, zlib) pulls them in. If one ever does indirectly
 # (logging, for instance, imports threading), narrow this list to the first four

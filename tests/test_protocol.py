@@ -128,6 +128,7 @@ SAMPLES: dict[type, list[p.Message]] = {
             probe_base=0x7D00_0000_0040,
             verify_kv=True,
             sessions=("10.0.0.2:12345", "10.0.0.2:12346"),
+            live_legs=p.pack_legs([(17, 0), (BIG, 2**64 - 1)]),
         )
     ],
     p.PeerWelcome: [p.PeerWelcome(version=1, incarnation="inc-2", session="10.0.0.1:1", clock=5123.25)],
@@ -155,6 +156,7 @@ SAMPLES: dict[type, list[p.Message]] = {
     ],
     p.Heartbeat: [p.Heartbeat(seq=9, wall=1.7e9, writes_until=5163.5)],
     p.HeartbeatAck: [p.HeartbeatAck(seq=9, wall=1.7e9 + 0.25, clock=5123.5)],
+    p.SessionsDrained: [p.SessionsDrained(sessions=("10.0.0.2:12345", "10.0.0.2:12346"))],
     p.RoomAck: [p.RoomAck(room=21), p.RoomAck(room=21, leg=5)],
     p.RoomFailed: [p.RoomFailed(room=22, code=p.ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False, leg=6)],
     p.PeerError: [p.PeerError(code=p.ErrorCode.UNKNOWN_ROOM, message="no room 23", room=23, leg=7)],
@@ -341,7 +343,7 @@ def test_a_hello_without_sessions_still_decodes(codec):
     """A decode daemon from before several engines per daemon sends no sessions: the
     prefill then writes through its one session (prefill_state.DecodePeer.sessions)."""
     hello = SAMPLES[p.PeerHello][0]
-    raw = msgspec.msgpack.encode({k: v for k, v in msgspec.to_builtins(hello).items() if k != "sessions"})
+    raw = msgspec.msgpack.encode({k: v for k, v in msgspec.to_builtins(hello, builtin_types=(bytes,)).items() if k != "sessions"})
     assert codec.peer_messages.decode(raw).sessions == ()
 
 
@@ -356,3 +358,11 @@ def test_a_hello_with_too_many_lanes_is_refused(codec):
     hello = msgspec.structs.replace(SAMPLES[p.PeerHello][0], lanes=(lane,) * 1025)
     with pytest.raises(msgspec.ValidationError, match="lanes"):
         codec.peer_messages.decode(codec.encode(hello))
+
+
+def test_live_legs_round_trip_and_a_torn_list_is_refused():
+    pairs = {(1, 0), (2**64 - 1, 2**64 - 1), (7, (1 << 32) | 3)}
+    assert p.unpack_legs(p.pack_legs(sorted(pairs))) == pairs
+    assert p.unpack_legs(b"") == set()
+    with pytest.raises(ValueError, match="not a whole number"):
+        p.unpack_legs(p.pack_legs([(1, 0)])[:-1])

@@ -31,6 +31,11 @@ INLINE_KV_BYTES = 64 * 1024  # default of inline_kv_bytes (pdxfer bench states i
 TCP_LANES = 8  # default of tcp_lanes (pdxfer bench gives its baseline the same)
 TCP_ENGINES = 2  # default of tcp_engines (pdxfer bench reports what its baseline runs)
 RENEWALS_PER_TTL = 3  # the registry renews a daemon's lease this many times per registry_ttl
+# fence_bound over the heartbeat bound, at least: the time to start new transfer engines
+# and let live prefills move off the old ones. Its default, and over the heartbeat bound
+# when that is long.
+FENCE_BOUND_MARGIN = 1.0
+FENCE_BOUND, FENCE_BOUND_SLACK = 15.0, 5.0
 
 Protocol = Literal["tcp", "rdma", "nvlink", "intranode_nvlink", "ascend", "hixl"]
 AuxPathChoice = Literal["auto", "tcp", "transfer_engine"]
@@ -113,7 +118,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     bootstrap_timeout: Annotated[float, _doc("seconds a room may stay Bootstrapping", gt=0)] = 30.0
     waiting_timeout: Annotated[float, _doc("seconds a room may stay WaitingForInput", gt=0)] = 120.0
     transfer_timeout: Annotated[float, _doc("seconds a room may stay Transferring", gt=0)] = 30.0
-    fence_timeout: Annotated[float, _doc("seconds a failed room's slot stays quarantined when its writer never confirms", gt=0)] = 10.0
+    fence_timeout: Annotated[float, _doc("prefill: seconds a failed room's source slot stays quarantined when its writes never settle; both: added to transfer_timeout in the leave to write a decode daemon gives", gt=0)] = 10.0
+    fence_bound: Annotated[
+        Annotated[float, msgspec.Meta(gt=0)] | None,
+        _doc("decode: seconds from a room's failure (or from its prefill's last word, if that came first) to its "
+             "fencing, when the prefill never confirmed its writes drained: past the heartbeat bound this daemon moves its live "
+             "prefills to new transfer sessions and ends the old ones (nothing sent through them can land afterwards), "
+             "then those rooms' pages and slots go back to the engine. An engine must hold a failed request's pages "
+             "longer than this (SGLang: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s by default). "
+             f"At least {FENCE_BOUND_MARGIN:g} s above heartbeat_interval x heartbeat_misses. Default: {FENCE_BOUND:g}, "
+             f"or the heartbeat bound plus {FENCE_BOUND_SLACK:g} if that is more"),
+    ] = None
     stall_timeout: Annotated[
         float, _doc("seconds (plus the oldest write's size at 50 MB/s) writes to a peer may all stay pending before its transfer session is declared stalled and re-created", gt=0)
     ] = 5.0
@@ -168,6 +183,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ] = ""
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     log_format: Annotated[Literal["text", "json"], _doc("log line format")] = "text"
+
+    def __post_init__(self) -> None:
+        bound = self.heartbeat_interval * self.heartbeat_misses
+        if self.fence_bound is not None and self.fence_bound < bound + FENCE_BOUND_MARGIN:
+            raise ValueError(
+                f"fence_bound {self.fence_bound:g}s must be at least {FENCE_BOUND_MARGIN:g}s above the heartbeat bound "
+                f"({self.heartbeat_interval:g}s x {self.heartbeat_misses} misses = {bound:g}s): raise --fence-bound or lower "
+                "--heartbeat-interval / --heartbeat-misses")
+
+    @property
+    def fence_seconds(self) -> float:
+        """The fence bound in force (fence_bound, or its default)."""
+        if self.fence_bound is not None:
+            return self.fence_bound
+        return max(FENCE_BOUND, self.heartbeat_interval * self.heartbeat_misses + FENCE_BOUND_SLACK)
 
     @property
     def stage_spans_below(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import json
+import struct
 import sys
 from typing import Annotated, Any, Union
 
@@ -32,7 +33,9 @@ import msgspec
 # 2: messages to one destination in one loop turn leave as one batch (one envelope, up to 256 frames).
 # 3: leave to write: writes_until on room_request and heartbeat, clock on peer_welcome and heartbeat_ack.
 # 4: engine identity (rank), engine-owned KV buffers and regions, announce, chunked send, prefix skip, every state change pushed.
-PROTOCOL_VERSION = 4
+# 5: sessions that end: peer_hello names the link's live legs (a prefill fails the others and moves these to the hello's
+#    sessions), sessions_drained; a room's part writes only through the sessions it was given.
+PROTOCOL_VERSION = 5
 
 # MessagePack integers stop at 2**64 - 1, so 64-bit ids need no upper bound here.
 RoomId = Annotated[int, msgspec.Meta(ge=1, description="bootstrap room id (uint64), never 0")]
@@ -45,6 +48,9 @@ Sessions = Annotated[tuple[Text, ...], msgspec.Meta(max_length=16, description="
 # int32 little-endian page indices; 4 bytes each.
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=64 * 1024 * 1024)]
 AuxPayload = Annotated[bytes, msgspec.Meta(max_length=16 * 1024 * 1024)]
+# (room, leg) pairs as little-endian uint64s, 16 bytes a pair (pack_legs).
+LegPairs = Annotated[bytes, msgspec.Meta(max_length=16 * 1024 * 1024)]
+_LEG_PAIR = struct.Struct("<QQ")
 MAX_INLINE_KV_BYTES = 1024 * 1024  # KV that may ride an aux record instead of the transfer engine
 InlineKV = Annotated[bytes, msgspec.Meta(max_length=MAX_INLINE_KV_BYTES)]
 
@@ -415,6 +421,10 @@ class Welcome(Message, tag="welcome"):
     role: Role
     incarnation: str
     bootstrap: str  # where peer daemons reach this one ("" on decode)
+    # Decode: seconds from a prefill's last word to the fencing of its failed rooms at the
+    # latest (their pages and slots back to the engine): an engine must hold a failed
+    # request's pages at least this long. 0 on prefill.
+    fence_bound: float = 0.0
 
 
 class Ok(Message, tag="ok"):
@@ -517,6 +527,10 @@ class PeerHello(Message, tag="peer_hello"):
     # points into; size 0: it stages nothing.
     staging_base: Address = 0
     staging_bytes: Count = 0
+    # Every leg of a room this decode daemon requested on the link and holds live (not
+    # failed), as (room, leg) pairs (pack_legs). The prefill fails its parts of the link
+    # that are not listed, then writes the listed ones through ``sessions`` from now on.
+    live_legs: LegPairs = b""
 
 
 class PeerWelcome(Message, tag="peer_welcome"):
@@ -656,6 +670,13 @@ class HeartbeatAck(Message, tag="heartbeat_ack"):
     clock: float = 0.0  # the prefill's monotonic clock when it answered (as PeerWelcome.clock)
 
 
+class SessionsDrained(Message, tag="sessions_drained"):
+    """Prefill -> decode, once per replaced set of sessions: nothing this prefill sent
+    through ``sessions`` is in flight, and it sends nothing more through them."""
+
+    sessions: Sessions
+
+
 class PeerError(Message, tag="peer_error"):
     """Reply to a peer message that could not be accepted at all."""
 
@@ -678,6 +699,7 @@ PeerMessage = Union[
     RoomFailed,
     Heartbeat,
     HeartbeatAck,
+    SessionsDrained,
     PeerError,
 ]
 
@@ -708,12 +730,13 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     address: str  # bootstrap endpoint (decode side) or transfer session (prefill side)
     name: str
     incarnation: str
-    state: str  # alive, draining, connecting
+    state: str  # alive, draining, connecting (no connection now, or not welcomed yet), silent (heard from longer ago than the heartbeat bound)
     last_heard: float  # seconds ago
     rtt_ms: float  # heartbeat round trip (decode side; -1 where unknown)
     clock_skew_ms: float  # peer's wall clock minus ours, estimated from heartbeats (0 where unknown)
     rooms: int
-    fence_pending: int = 0  # decode side: failed rooms whose pages wait for this prefill's proof (or a cut)
+    fence_pending: int = 0  # decode side: failed rooms whose pages wait for this prefill's proof (or the end of their sessions)
+    fence_in: float = -1.0  # decode side: seconds until its fence-pending rooms are fenced at the latest; -1: none wait
 
 
 class SlotInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -813,6 +836,18 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
 
     incarnation: str
     mac: bytes = b""
+
+
+def pack_legs(pairs) -> bytes:
+    """(room, leg) pairs as PeerHello.live_legs carries them."""
+    return b"".join(_LEG_PAIR.pack(room, leg) for room, leg in pairs)
+
+
+def unpack_legs(data: bytes) -> set[tuple[int, int]]:
+    """PeerHello.live_legs as a set of (room, leg); ValueError for a length that is no whole number of pairs."""
+    if len(data) % _LEG_PAIR.size:
+        raise ValueError(f"live_legs of {len(data)} bytes is not a whole number of 16-byte (room, leg) pairs")
+    return set(_LEG_PAIR.iter_unpack(data))
 
 
 def tag_of(message: Message) -> str:

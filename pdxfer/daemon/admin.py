@@ -124,7 +124,8 @@ def info(daemon, req: int = 0) -> InfoReply:
         histogram = daemon.metrics.state_seconds[state]
         counters.update({f"state_seconds:{state.value}": histogram.total, f"state_left:{state.value}": float(histogram.count)})
     if isinstance(service, DecodeService):
-        counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full))
+        counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full),
+                        session_rotations=float(service.rotations), rooms_fenced_by_session_end=float(service.sessions_fenced))
     else:
         counters.update(chunks_gathered=float(service.staged_chunks), staging_full=float(service.staging_full))
     counters["staging_taken_bytes"] = float(service.staging_taken_bytes)

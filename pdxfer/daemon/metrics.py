@@ -122,7 +122,7 @@ class _Collector:
         yield peers
         yield GaugeMetricFamily(
             "pdxfer_fence_pending_rooms",
-            "Failed rooms whose pages and slot wait for their writer's proof that nothing is in flight, or an operator cut (decode side)",
+            "Failed rooms whose pages and slot wait for their writer's proof that nothing is in flight, or the end of their transfer sessions (decode side)",
             value=sum(p.fence_pending for p in service.peer_infos(service.clock(), 0.0)),
         )
         queues = GaugeMetricFamily("pdxfer_queue_depth", "Writes in flight and jobs waiting in the transfer pump", labels=["queue"])
@@ -139,6 +139,9 @@ class _Collector:
         yield CounterMetricFamily("pdxfer_kv_inline_rooms", "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)", value=service.kv_inline_rooms)
         yield CounterMetricFamily("pdxfer_kv_inline_bytes", "KV bytes sent inside aux records (prefill side)", value=service.kv_inline_bytes)
         if isinstance(service, DecodeService):
+            yield CounterMetricFamily("pdxfer_session_rotations", "Times this (decode) daemon moved its prefills to new transfer sessions and ended the old ones", value=service.rotations)
+            yield CounterMetricFamily("pdxfer_rooms_fenced_by_session_end", "Failed rooms (or their released slots) fenced because every transfer session they could be written into ended (decode side)",
+                                      value=service.sessions_fenced)
             yield CounterMetricFamily("pdxfer_legs_staged", "Legs between ranks of different TP received through the staging buffer (decode side)", value=service.staged_legs)
         else:
             yield CounterMetricFamily("pdxfer_chunks_gathered", "Chunks of legs to decode ranks of higher TP gathered into the staging buffer and written from it (prefill side)", value=service.staged_chunks)

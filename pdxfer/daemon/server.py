@@ -115,7 +115,7 @@ class Daemon:
                 memory.bind_device(cfg.device)
             elif step == "init_transport":
                 if self.transport is None:
-                    self.transport = build.daemon_transport(cfg, lambda: loop.call_soon_threadsafe(self._engine_process_lost))
+                    self.transport = build.daemon_transport(cfg, lambda sessions, current: loop.call_soon_threadsafe(self._engine_process_lost, sessions, current))
                 self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
             elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
@@ -438,33 +438,60 @@ class Daemon:
         self._admin.post(identity, self.codec.encode(reply))
 
     def cut(self, msg: AdminPeers):
-        """Operator cut (``pdxfer peer P --cut``, decode side): replace every transfer
-        session of this daemon (Transport.reset: nothing sent through an old one lands
-        afterwards), then fence every fence-pending room and tell the prefills the new
-        sessions. Checked now; returns the coroutine that does it and answers."""
+        """Operator cut (``pdxfer peer P --cut``, decode side): a rotation of this daemon's
+        transfer sessions (DecodeService.cut); answered once the old ones ended and the
+        rooms that waited for them were fenced. Checked now; returns the coroutine that
+        answers."""
         if self.config.role is not Role.DECODE:
             raise Unsupported("a cut runs on the decode daemon: it owns the memory that writes land in; a prefill's memory is only read")
         self.service.check_cut(msg.cut)
         return self._cut(msg)
 
     async def _cut(self, msg: AdminPeers) -> Message:
-        sessions = await asyncio.wrap_future(self.pump.cut())
-        self._transport_reset(sessions)
-        self.service.cut_done(f"operator cut (peer {msg.cut!r})", sessions)
+        done = asyncio.get_running_loop().create_future()
+        self.service.cut(msg.cut, lambda fenced: done.done() or done.set_result(fenced))
+        await done
         return PeersReply(req=msg.req, peers=self.service.peer_infos(self.service.clock(), time.time()))
 
-    def _engine_process_lost(self) -> None:
-        """The transfer engine's process died (isolated.py): its writes in flight are
-        lost, and once the pump holds none, a new process takes over with new sessions.
-        A decode daemon then fences what waited for proof: every connection into the
-        dead process closed with it."""
-        self.engine_process_restarts += 1
-        self._oneshot(self._replace_lost_engine())
+    def _rotate_sessions(self) -> None:
+        """Decode: new transfer engines beside the current ones (DecodeService.sessions_rotated)."""
+        self._oneshot(self._rotate())
+
+    async def _rotate(self) -> None:
+        try:
+            sessions = await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.rotate()))
+        except Exception as exc:
+            self.service.rotation_failed(str(exc))
+            return
+        self.sessions = sessions
+        self.service.sessions_rotated(sessions)
+
+    def _end_sessions(self, sessions: Peer) -> None:
+        """Decode: end the engines at ``sessions`` (DecodeService.sessions_ended)."""
+        self._oneshot(self._end(sessions))
+
+    async def _end(self, sessions: Peer) -> None:
+        await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.end(sessions)))
+        self.service.sessions_ended(sessions)
+
+    def _engine_process_lost(self, sessions: Peer, current: bool) -> None:
+        """A transfer engine process died (isolated.py): nothing sent to its sessions can
+        land any more, which a decode daemon's rooms waiting for that proof hear at once.
+        The current one's writes in flight are lost: once the pump holds none, a new
+        process takes over with new sessions."""
+        if self.config.role is Role.DECODE:
+            self.service.sessions_ended(sessions)
+        if current:
+            self.engine_process_restarts += 1
+            self._oneshot(self._replace_lost_engine())
 
     async def _replace_lost_engine(self) -> None:
-        sessions = await asyncio.wrap_future(self.pump.cut())
+        sessions = await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.rotate()))
         if self.config.role is Role.DECODE:
-            self.service.cut_done("the transfer engine process ended", sessions)
+            self.sessions = sessions
+            self.service.sessions_rotated(sessions)
+        else:
+            self._transport_reset(sessions)
 
     def _observe(self, room, left, now: float) -> None:
         """The room table's observer with debug logging: metrics, and one line per transition."""
@@ -567,7 +594,7 @@ class Daemon:
         link.on_dropped = self._peer_messages_dropped
         link.on_refused = lambda code, why: self._link_refused(endpoint, code, why)
         link.keep = self.service.still_wanted
-        link.greeting = lambda: [self.codec.encode(self.service.hello())]
+        link.greeting = lambda: [self.codec.encode(self.service.hello(endpoint))]
         link.start(
             asyncio.get_running_loop(),
             lambda frames: self._on_link(endpoint, frames),
@@ -727,6 +754,12 @@ class DecodeDaemonPort(DaemonPort):
     def off_loop(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
         future = asyncio.get_running_loop().run_in_executor(self._daemon.copier, work)
         future.add_done_callback(lambda f: None if f.cancelled() else done(f.exception()))
+
+    def rotate_sessions(self) -> None:
+        self._daemon._rotate_sessions()
+
+    def end_sessions(self, sessions: Peer) -> None:
+        self._daemon._end_sessions(sessions)
 
     def resolve(self, name: str) -> str | None:
         registry = self._daemon.registry

@@ -1,5 +1,7 @@
-"""Whether an engine process on this host still runs: what lets a daemon fail a killed
-engine rank's rooms at once instead of at their timeouts (A10).
+"""Processes on this host, as /proc tells them: whether an engine process still runs
+(what lets a daemon fail a killed engine rank's rooms at once instead of at their
+timeouts, A10), and which TCP ports a process listens on (what keeps a new transfer
+engine off a port an ended one had, transport/isolated.py).
 
 A pid means something only inside its pid namespace, and pids are reused: an engine says
 its pid and its namespace (the inode of /proc/self/ns/pid), and the daemon, when it shares
@@ -88,6 +90,37 @@ class EngineWatch:
         for identity, _ in out:
             del self.started[identity]
         return out
+
+
+def socket_inodes(pid: int | str = "self") -> set[str]:
+    """The inodes of process ``pid``'s socket descriptors, as /proc/net's tables name them."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def listening_ports(pid: int | str = "self") -> frozenset[int]:
+    """The TCP ports (IPv4 and IPv6) that process ``pid`` listens on: its sockets among
+    the listening ones of its network namespace."""
+    base, inodes = f"/proc/{pid}", socket_inodes(pid)
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{base}/net/{table}") as fh:
+                next(fh)  # the header
+                for line in fh:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in inodes:  # st 0A: LISTEN
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        except FileNotFoundError:  # no IPv6 here
+            continue
+    return frozenset(ports)
 
 
 def _pidfd(pid: int) -> int | None:

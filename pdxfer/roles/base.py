@@ -76,6 +76,7 @@ def loose_req(raw: bytes) -> int:
 
 class RoomService:
     role: Role
+    fence_bound = 0.0  # decode: seconds within which a failed room whose writer never confirmed is fenced (Welcome.fence_bound)
 
     def __init__(self, config: Config, incarnation: str, port: Port, *, sessions: Peer, bootstrap_address: str) -> None:
         self.config = config
@@ -214,7 +215,8 @@ class RoomService:
             self.engines.add(identity)
             if msg.pid:
                 self.port.watch_engine(identity, msg.pid, msg.pid_namespace)
-            return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address)
+            return Welcome(req=msg.req, version=PROTOCOL_VERSION, role=self.role, incarnation=self.incarnation, bootstrap=self.bootstrap_address,
+                           fence_bound=self.fence_bound)
         raise errors.BadMessage(f"unexpected message {type(msg).__name__}")
 
     def start_draining(self) -> None:
@@ -514,7 +516,7 @@ class RoomService:
 
     def peer_states(self) -> dict[str, int]:
         states = collections.Counter(p.state for p in self.peer_infos(self.clock(), 0.0))
-        return {state: states.get(state, 0) for state in ("alive", "draining", "connecting")}
+        return {state: states.get(state, 0) for state in ("alive", "draining", "connecting", "silent")}
 
     def peer_gone(self, record, reason: str) -> None:
         """The registry says a daemon of the other role is gone: its lease lapsed,

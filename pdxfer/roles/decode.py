@@ -13,12 +13,19 @@ Fencing (S2). A failed room's slot and pages go back to the engine only on proof
 no write aimed at them can land: the prefill confirms it has nothing in flight for the
 room (room_failed with fenced, or its aux record, which it sends only after its writes
 completed); a new incarnation of it answers at its address (the old process is gone);
-or this daemon cut every transfer session into it (``cut``: Transport.reset guarantees
-that nothing sent through an old session lands afterwards). No clock is proof: a prefill
-frozen with writes queued inside its transfer engine sends them when it resumes,
-whatever leases ran out meanwhile. Until one of those, the room is *fence-pending*:
-failed, not fenced, its slot quarantined with no deadline, visible in ``pdxfer rooms``,
-``slots``, ``peers`` and the metrics, and ``pdxfer peer P --cut`` ends it.
+or every generation of this daemon's transfer sessions the room could be written into
+ended (core/generations.py: ending an engine closes its sockets with whatever they
+held). No clock is proof: a prefill frozen with writes queued inside its transfer engine
+sends them when it resumes, whatever leases ran out meanwhile. Until one of those, the
+room is *fence-pending*: failed, not fenced, its slot quarantined with no deadline,
+visible in ``pdxfer rooms``, ``slots``, ``peers`` and the metrics.
+
+Sessions end by rotation: new engines beside the current ones, a hello on every link
+with the legs each prefill may move to them (it fails the others first), and the old
+engines ended once every prefill still heard from said it drained them, or at the
+rotation's deadline. A room waiting for proof starts one when its prefill went silent
+past the heartbeat bound, or after half the fence bound, so that it is fenced within
+``--fence-bound`` of its prefill's last word; ``pdxfer peer P --cut`` starts one too.
 
 Leave to write. That lease starts on the prefill's clock, when it starts writing, and
 a prefill that stood still (SIGSTOP, swap) or sat behind a partition may read a room's
@@ -36,6 +43,7 @@ the records kept, decode_state.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -45,6 +53,7 @@ import msgspec
 from ..core import errors, paths
 from ..core.config import Config
 from ..core.errors import IllegalTransition, PdxferError
+from ..core.generations import Generations, Rotation, Span, fence_due
 from ..core.liveness import resumed
 from ..core.plan import check_pages, pages_from_bytes
 from ..core.protocol import (
@@ -69,21 +78,29 @@ from ..core.protocol import (
     RoomState,
     RoomFailed,
     RoomRequest,
+    SessionsDrained,
     TransferStarted,
+    pack_legs,
     tag_of,
 )
 from ..core.rooms import Event, Room
 from ..core.slots import SlotState
 from ..core.topology import decode_rank_of, key_label, room_key, room_of
-from ..transport import Peer, primary
+from ..transport import Peer, label, primary
 from .base import RoomService
 from .decode_requests import RoomRequests
-from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink, StagedExtent
+from .decode_state import DecodeWork, LegState, PendingRequest, PrefillLink, StagedExtent, Unfenced
 from .decode_verify import RoomVerification
 from .pools import Lane, Staging
 from .ports import DecodePort
 
 log = logging.getLogger("pdxfer.decode")
+
+# A rotation gives live prefills at least this long to move off the old sessions, and
+# ends them this long before the first waiting room's fence is due.
+ROTATION_MIN_DRAIN = 0.2
+ROTATION_END_MARGIN = 0.5
+ROTATION_RETRY = 1.0  # seconds between tries when new transfer engines fail to start
 
 
 @functools.lru_cache(maxsize=1024)  # parsed for every expect(); prefill addresses are few
@@ -111,7 +128,15 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         self.name = f"{config.host}/{config.instance}"  # stable name peers know this daemon by
         self.probe_base = probe_base  # 64 scratch bytes of ours a prefill may write to test its session
         self.engine_release = engine_release  # this host's transfer engine version, told to prefills (A3 over tcp needs both to acknowledge writes)
-        self.cuts = 0  # operator cuts of this daemon's transfer sessions
+        self.fence_bound = config.fence_seconds
+        self.generations = Generations.starting(sessions)  # our transfer sessions over time (core/generations.py)
+        self.rotation: Rotation | None = None  # the retirement of the generation before the current one, while it runs
+        self.rotation_asked = ""  # why a rotation was asked for and has not begun ("": none asked)
+        self.rotation_retry_at = 0.0  # after a rotation failed to start: not asked again before this
+        self.cut_waiters: list = []  # operator cuts answered once the rotation after them ended: fenced count -> None
+        self.rotations = 0  # generations retired by a rotation
+        self.cuts = 0  # of them, asked for by an operator (pdxfer peer P --cut)
+        self.sessions_fenced = 0  # failed rooms fenced because every generation they could be written into ended
         self.staging = staging  # where legs between ranks of different TP land first (core/staging.py); None: nowhere
         self.staged: dict[tuple[int, int], StagedExtent] = {}  # (room key, leg code): its extent, until fenced
         self.staged_legs = 0  # legs given an extent
@@ -145,7 +170,8 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         # A dummy leg writes nothing here: landed and fenced from the start.
         states = {leg.leg: LegState(leg, landed=not leg.real, peer_fenced=not leg.real, stage_layout=self._stage_layout(lane, msg, leg, dst.size))
                   for leg in legs}
-        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch)
+        now_gen = self.generations.current
+        self.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch, span=Span(now_gen, now_gen))
         link.rooms.add(room.id)
         self._gather(link, msg.room, lane, legs)
         return Ok(req=msg.req)
@@ -172,12 +198,15 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
     def _link(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
         if link is None:
-            self.links[endpoint] = link = PrefillLink(endpoint, last_heard=self.clock())
+            self.links[endpoint] = link = PrefillLink(endpoint, last_heard=self.clock(), last_word=self.clock())
             self.port.open_link(endpoint)
-            self.port.send_link(endpoint, self.hello())
+            self.port.send_link(endpoint, self.hello(endpoint))
         return link
 
-    def hello(self) -> PeerHello:
+    def hello(self, endpoint: str) -> PeerHello:
+        """What the prefill at ``endpoint`` hears first on every connection, and again on
+        every registration and rotation: our pools and sessions, and the legs of its rooms
+        we hold live, which from now on may be written through these sessions only."""
         return PeerHello(
             version=PROTOCOL_VERSION,
             incarnation=self.incarnation,
@@ -191,7 +220,20 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             engine_release=self.engine_release,
             staging_base=self.staging.base if self.staging else 0,
             staging_bytes=self.staging.arena.size if self.staging else 0,
+            live_legs=pack_legs(self._live_legs(endpoint)),
         )
+
+    def _live_legs(self, endpoint: str) -> list[tuple[int, int]]:
+        """The (room, leg) pairs of the link's rooms not failed; each of those rooms may be
+        written into the current generation from now on."""
+        link, current = self.links.get(endpoint), self.generations.current
+        pairs = []
+        for room in self._link_rooms(link) if link is not None else ():
+            if room.state is not RoomState.FAILED:
+                w = self.work[room.id]
+                w.span = w.span.moved(current)
+                pairs += [(room_of(room.id), code) for code in w.legs]
+        return pairs
 
     @staticmethod
     def _lane_info(lane: Lane) -> LaneInfo:
@@ -204,8 +246,14 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
 
     def on_kv_registered(self) -> None:
         if any(lane.ready for lane in self.lanes):
-            for endpoint in self.links:
-                self.port.send_link(endpoint, self.hello())
+            self._hello_all()
+
+    def _hello_all(self) -> None:
+        """A hello on every link; one whose connection is down hears it first thing on
+        the next (its greeting), so none waits there behind what is queued."""
+        for endpoint, link in self.links.items():
+            if link.connected or not link.epoch:
+                self.port.send_link(endpoint, self.hello(endpoint))
 
     # --- bootstrap channel
 
@@ -213,7 +261,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         link = self.links.get(endpoint)
         if link is None:
             return
-        link.last_heard = self.clock()
+        link.last_heard = link.last_word = self.clock()
         if link.incarnation and incarnation != link.incarnation:
             self._restarted(link, incarnation)
         try:
@@ -264,6 +312,9 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         if isinstance(msg, PeerError):
             self._peer_error(link, msg)
             return
+        if isinstance(msg, SessionsDrained):
+            self._drained(link, tuple(msg.sessions))
+            return
         if isinstance(msg, RoomAccepted):  # one per request: the rooms of the legs it took
             for room in {r.id: r for leg in msg.legs if (r := self._room_of(link, msg.room, leg)) is not None}.values():
                 if room.state is RoomState.BOOTSTRAPPING:  # another leg's request may have been accepted first
@@ -284,7 +335,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             leg.peer_fenced, leg.peer_failed = msg.fenced, True
             if msg.fenced:
                 self._unstage(room.id, msg.leg)
-            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and w.peer_fenced:
+            if not self.fail(room, msg.code, f"prefill side: {msg.reason}") and w.writers_done:
                 self.fenced(room)
         else:
             raise errors.BadMessage(f"a decode daemon does not accept {type(msg).__name__}", side=errors.Side.PEER)
@@ -297,24 +348,23 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         held = link.unfenced.get(key)
         if held is None:
             return
-        lane, slot, generation, waiting = held
-        waiting = waiting - {leg}
+        waiting = held.waiting - {leg}
         if waiting:
-            link.unfenced[key] = (lane, slot, generation, waiting)
+            link.unfenced[key] = dataclasses.replace(held, waiting=waiting)
             return
         del link.unfenced[key]
-        self._fence_released(lane, slot, generation)
+        self._fence_released(held)
 
-    def _fence_released(self, lane: int, slot: int, generation: int) -> None:
-        aux = self.lanes[lane].aux
+    def _fence_released(self, entry: Unfenced) -> None:
+        aux = self.lanes[entry.lane].aux
         if aux is not None:
-            aux.slots.fence(slot, generation, self.clock())
+            aux.slots.fence(entry.slot, entry.generation, self.clock())
 
-    def _unfenced_waiting(self, entry) -> bool:
-        """Whether a released room's slot (link.unfenced) is still quarantined for it."""
-        lane, slot, generation, _ = entry
-        aux = self.lanes[lane].aux
-        return aux is not None and aux.slots.slots[slot].generation == generation and aux.slots.slots[slot].state is SlotState.QUARANTINED
+    def _unfenced_waiting(self, entry: Unfenced) -> bool:
+        """Whether a failed room's slot (link.unfenced) is still quarantined for it."""
+        aux = self.lanes[entry.lane].aux
+        slot = aux.slots.slots[entry.slot] if aux is not None else None
+        return slot is not None and slot.generation == entry.generation and slot.state is SlotState.QUARANTINED
 
     def _started(self, room: Room) -> None:
         """A prefill rank began writing the room (the first of its legs to)."""
@@ -336,12 +386,12 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             if not link.ready:
                 # Our rooms here already failed; this may answer something sent before
                 # our new hello, or the hello itself was lost in a reconnect: say it again.
-                self.port.send_link(link.endpoint, self.hello())
+                self.port.send_link(link.endpoint, self.hello(link.endpoint))
                 return
             # It declared us dead (we stalled) or lost us: our rooms there are gone.
             link.ready = False
             self._fail_link(link, ErrorCode.PEER_DEAD, f"prefill {link.endpoint} no longer knows this daemon: {msg.message}")
-            self.port.send_link(link.endpoint, self.hello())
+            self.port.send_link(link.endpoint, self.hello(link.endpoint))
             return
         room = self._room_of(link, msg.room, msg.leg) if msg.room else None
         if room is not None:
@@ -394,7 +444,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         stalled = self._stalled(now)
         for link in list(self.links.values()):
             if stalled:  # we were frozen, not they silent: start their clocks again
-                link.last_heard = resumed(link.last_heard, now)
+                link.last_heard, link.last_word = resumed(link.last_heard, now), resumed(link.last_word, now)
             if not link.rooms and rule.idle(link.last_heard, now):
                 self._forget_link(link)
                 continue
@@ -409,6 +459,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             # bootstrap timeout covers a prefill that never shows up.
             if link.incarnation and rule.dead(link.last_heard, now) and self._live_rooms(link):
                 self.declare_dead(link, f"prefill {link.endpoint} answered nothing for {now - link.last_heard:.1f}s ({self.config.heartbeat_misses} heartbeats missed)")
+        self._fence_by_bound(now)
 
     def _live_rooms(self, link: PrefillLink) -> bool:
         return any((room := self.rooms.find(r)) is not None and not room.finished for r in link.rooms)
@@ -457,7 +508,7 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         before = link.epoch if on_link else None
         self.declare_dead(link, f"prefill {link.endpoint} restarted (incarnation {old} -> {incarnation})", before)
         self._fence_link(link, before)
-        self.port.send_link(link.endpoint, self.hello())
+        self.port.send_link(link.endpoint, self.hello(link.endpoint))
 
     def _fence_link(self, link: PrefillLink, before: int | None = None) -> None:
         """Nothing the link's prefill sent can land any more: its failed rooms (those of
@@ -468,14 +519,17 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         for key, extent in list(self.staged.items()):
             if extent.link == link.endpoint and (before is None or extent.epoch < before):
                 self._unstage(*key)
-        for lane, slot, generation, _ in link.unfenced.values():
-            self._fence_released(lane, slot, generation)
-        link.unfenced.clear()
+        for key, entry in list(link.unfenced.items()):
+            if before is None or entry.epoch < before:
+                self._fence_released(entry)
+                del link.unfenced[key]
 
     def fence_pending(self, link: PrefillLink) -> int:
         """Failed rooms of this link (released by their engine or not) still waiting
         for proof that nothing of them can land."""
         return sum(1 for entry in link.unfenced.values() if self._unfenced_waiting(entry))
+
+    # --- ending old sessions (core/generations.py)
 
     def check_cut(self, peer: str) -> list[PrefillLink]:
         """The links an operator's cut names (pdxfer peer P --cut); raises if none."""
@@ -484,20 +538,149 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             raise errors.PdxferError(f"no prefill link matches {peer!r}", code=ErrorCode.UNKNOWN_PEER)
         return matched
 
-    def cut_done(self, why: str, sessions) -> int:
-        """This daemon's transfer sessions were replaced (Transport.reset, or a new
-        transfer engine process after the last one died): nothing any prefill sent
-        through the old ones can land, so every fence-pending room is fenced, on every
-        link (a cut is not selective); peers learn the new sessions. Returns how many
-        rooms and released slots it fenced."""
+    def cut(self, peer: str, answer) -> None:
+        """Operator cut (pdxfer peer P --cut): end the sessions every room waiting for
+        proof may be written into, without failing any live prefill's writes: a
+        rotation; ``answer(fenced)`` once it ended, with how many rooms it fenced."""
+        matched = self.check_cut(peer)
+        self.cut_waiters.append(answer)
+        self._ask_rotation(f"operator cut (peer {peer!r}: {', '.join(link.endpoint for link in matched)})")
+
+    def _ask_rotation(self, reason: str) -> None:
+        """Start a rotation, or one more after the one running: it covers only rooms
+        whose generations it ends."""
+        if self.rotation_asked:
+            return
+        self.rotation_asked = reason
+        if self.rotation is None:
+            log.warning("replacing this daemon's transfer sessions: %s", reason)
+            self.port.rotate_sessions()
+
+    def rotation_failed(self, reason: str) -> None:
+        """New transfer engines could not start: the tick asks again a while later."""
+        log.error("could not start new transfer sessions (%s): %s; trying again in %gs", self.rotation_asked, reason, ROTATION_RETRY)
+        self.count_failure("rotation_failed")
+        self.rotation_asked = ""
+        self.rotation_retry_at = self.clock() + ROTATION_RETRY
+
+    def sessions_rotated(self, sessions: Peer) -> None:
+        """New transfer engines took over at ``sessions`` (a rotation, or a new engine
+        process after the last one died): every prefill hears of them with the legs it may
+        move there, and the generation before them ends once every prefill live now said
+        it drained, or at the deadline."""
+        old = self.generations.current
+        old_sessions = self.generations.sessions
+        self.generations.rotated(sessions)
         self.new_sessions(sessions)
-        fenced = sum(self.fence_pending(link) for link in self.links.values())
+        reason, self.rotation_asked = self.rotation_asked or "the transfer engine process ended", ""
+        self._hello_all()
+        if old not in self.generations.live:  # ended already (its process died): nothing to wait for
+            self._after_rotation(0)
+            return
+        now, rule = self.clock(), self.heartbeats
+        waiting = {link.endpoint for link in self.links.values()
+                   if link.ready and link.connected and not rule.dead(link.last_word, now)}
+        dues = [due for _, _, due in self._waiting_for_proof(now)]
+        deadline = max(now + ROTATION_MIN_DRAIN, min(dues, default=now + self.fence_bound) - ROTATION_END_MARGIN)
+        self.rotation = Rotation(old, old_sessions, reason, now, deadline, waiting)
+        log.warning("transfer sessions %s replace %s (%s); %d prefill(s) to move off them within %.1fs",
+                    label(sessions), label(old_sessions), reason, len(waiting), deadline - now)
+        self._end_if_due(now)
+
+    def _drained(self, link: PrefillLink, sessions: Peer) -> None:
+        rotation = self.rotation
+        if rotation is not None and rotation.sessions == sessions and rotation.drained(link.endpoint):
+            self._end_if_due(self.clock())
+
+    def _end_if_due(self, now: float) -> None:
+        rotation = self.rotation
+        if rotation is None or not rotation.due(now):
+            return
+        rotation.ending = True
+        if rotation.waiting:
+            log.warning("ending transfer sessions %s although %s did not say they drained within %.1fs: their writes still in "
+                        "flight there fail", label(rotation.sessions), ", ".join(sorted(rotation.waiting)), now - rotation.started)
+        self.port.end_sessions(rotation.sessions)
+
+    def sessions_ended(self, sessions: Peer) -> None:
+        """The engines at ``sessions`` ended (we ended them, or their process died): every
+        failed room that could be written into no live generation is fenced."""
+        if self.generations.ended(sessions) is None:
+            return
+        fenced = self._fence_where_sessions_ended()
+        self.sessions_fenced += fenced
+        rotation = self.rotation
+        if rotation is not None and rotation.sessions == sessions:
+            self.rotation = None
+            self.rotations += 1
+            log.warning("transfer sessions %s ended after %.1fs (%s): %d room(s) waiting for proof fenced",
+                        label(sessions), self.clock() - rotation.started, rotation.reason, fenced)
+            self._after_rotation(fenced)
+        elif fenced:
+            log.warning("transfer sessions %s ended: %d room(s) waiting for proof fenced", label(sessions), fenced)
+
+    def _after_rotation(self, fenced: int) -> None:
+        waiters, self.cut_waiters = self.cut_waiters, []
+        self.cuts += len(waiters)
+        for answer in waiters:
+            answer(fenced)
+        if self.rotation_asked:  # asked for while this one ran
+            self.port.rotate_sessions()
+
+    def _fence_where_sessions_ended(self) -> int:
+        """Fence every failed room, and every released one's slot, that no live generation
+        can receive a write for; how many."""
+        fenced = 0
         for link in self.links.values():
-            self._fence_link(link)
-        log.warning("%s: transfer sessions replaced by %s; %d fence-pending rooms fenced", why, ",".join(sessions), fenced)
-        self.cuts += 1
-        self.on_kv_registered()
+            for room in self._link_rooms(link):
+                w = self.work[room.id]
+                if room.finished and not room.fenced and self.generations.all_ended(w.span):
+                    w.sessions_ended = True
+                    for code in w.legs:
+                        self._unstage(room.id, code)
+                    self.fenced(room)
+                    fenced += 1
+            for key, entry in list(link.unfenced.items()):
+                if self.generations.all_ended(entry.span):
+                    for code in entry.waiting:
+                        self._unstage(key, code)
+                    if self.rooms.find(key) is None:  # a room still in the table was fenced above
+                        self._fence_released(entry)
+                        fenced += 1
+                    del link.unfenced[key]
         return fenced
+
+    def _waiting_for_proof(self, now: float) -> list[tuple[PrefillLink, Unfenced, float]]:
+        """Every failed room still waiting for proof: (its link, its entry, when it must be fenced)."""
+        bound = self.fence_bound
+        return [(link, entry, fence_due(entry.failed_at, link.last_word, bound))
+                for link in self.links.values() for entry in link.unfenced.values() if self._unfenced_waiting(entry)]
+
+    def _fence_by_bound(self, now: float) -> None:
+        """The tick's: end a rotation's old sessions once no live prefill is left to
+        drain them, or at its deadline; and start a rotation for a room waiting for proof
+        whose prefill went silent, or that waited half the fence bound, unless the one
+        running ends its sessions already."""
+        rotation = self.rotation
+        if rotation is not None:
+            for endpoint in list(rotation.waiting):  # a prefill that went away drains nothing: its writes end with the sessions
+                link = self.links.get(endpoint)
+                if link is None or not link.connected or self.heartbeats.dead(link.last_word, now):
+                    rotation.drained(endpoint)
+        self._end_if_due(now)
+        if now < self.rotation_retry_at:
+            return
+        rule, half = self.heartbeats, self.fence_bound / 2
+        for link, entry, _ in self._waiting_for_proof(now):
+            silent = rule.dead(link.last_word, now)
+            if not (silent or now - entry.failed_at >= half):
+                continue
+            if self.rotation is not None and entry.span.last <= self.rotation.old:
+                continue  # the running rotation ends its sessions
+            why = f"prefill {link.endpoint} silent for {now - link.last_word:.1f}s" if silent else \
+                f"a room of prefill {link.endpoint} waited {now - entry.failed_at:.1f}s for its writes to drain"
+            self._ask_rotation(f"{why}, with rooms waiting for proof that nothing of theirs can land")
+            return
 
     # --- hooks
 
@@ -525,12 +708,13 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
             self._withdraw(link, room)
         if w.peer_fenced:
             return not w.copies  # a copy still writing its pages fences it when it ends
-        # Its RoomFailed(fenced) replies, its restart, or a cut fences us; nothing else.
+        # Its RoomFailed(fenced) replies, its restart, or the end of its sessions fences it; nothing else.
         if link is not None and room.slot >= 0:
             waiting = frozenset(code for code, leg in w.legs.items() if not leg.peer_fenced)
-            link.unfenced[room.id] = (room.lane, room.slot, room.generation, waiting)
-        log.warning("room %s: pages and slot %d held until prefill %s confirms nothing is in flight, restarts, or an operator runs `pdxfer peer %s --cut`",
-                    key_label(room.id), room.slot, w.link, w.link.removeprefix("tcp://"), extra={"room": room_id, "peer": w.link})
+            link.unfenced[room.id] = Unfenced(room.lane, room.slot, room.generation, waiting, w.span, self.clock(), w.epoch)
+        log.warning("room %s: pages and slot %d held until prefill %s confirms nothing is in flight or restarts, or until "
+                    "the transfer sessions it may write into end (within %gs of its last word)",
+                    key_label(room.id), room.slot, w.link, self.fence_bound, extra={"room": room_id, "peer": w.link})
         return False
 
     def _withdraw(self, link: PrefillLink, room: Room) -> None:
@@ -610,15 +794,25 @@ class DecodeService(RoomRequests, RoomVerification, RoomService):
         return len(self.links)
 
     def peer_infos(self, now: float, wall: float) -> list[PeerInfo]:
+        dues: dict[str, float] = {}
+        for link, _, due in self._waiting_for_proof(now):
+            dues[link.endpoint] = min(due, dues.get(link.endpoint, due))
         return [
             PeerInfo(
-                address=link.endpoint, name=link.endpoint, incarnation=link.incarnation,
-                state="draining" if link.draining else ("alive" if link.ready else "connecting"),
-                last_heard=now - link.last_heard, rtt_ms=link.rtt * 1000 if link.rtt >= 0 else -1.0,
+                address=link.endpoint, name=link.endpoint, incarnation=link.incarnation, state=self._peer_state(link, now),
+                last_heard=now - link.last_word, rtt_ms=link.rtt * 1000 if link.rtt >= 0 else -1.0,
                 clock_skew_ms=link.skew * 1000, rooms=len(link.rooms), fence_pending=self.fence_pending(link),
+                fence_in=max(0.0, dues[link.endpoint] - now) if link.endpoint in dues else -1.0,
             )
             for link in self.links.values()
         ]
+
+    def _peer_state(self, link: PrefillLink, now: float) -> str:
+        if link.draining:
+            return "draining"
+        if link.incarnation and self.heartbeats.dead(link.last_word, now):
+            return "silent"
+        return "alive" if link.ready and link.connected else "connecting"
 
     def peer_gone(self, record, reason: str) -> None:
         link = self.links.get(bootstrap_endpoint(record.bootstrap)) if record.bootstrap else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.generations import Span
 from ..core.protocol import LegRequest, RoomRequest
 from ..core.staging import StagedLayout
 
@@ -18,17 +19,33 @@ OFFSET_SAMPLES = 8
 
 
 
+@dataclass(frozen=True)
+class Unfenced:
+    """A failed room whose slot stays quarantined until proof that nothing of it can land:
+    its prefill ranks' word for every leg in ``waiting``, or the end of every generation
+    of sessions in ``span``. Kept by its link after the engine released the room."""
+
+    lane: int
+    slot: int
+    generation: int  # the slot's
+    waiting: frozenset[int]  # leg codes whose prefill rank has not confirmed
+    span: Span  # the generations of our sessions it may have been written into
+    failed_at: float
+    epoch: int  # its link's epoch when it was asked for
+
+
 @dataclass(eq=False)
 class PrefillLink:
     endpoint: str
-    last_heard: float
+    last_heard: float  # when its silence counts from: its last message, or when it was last declared dead
+    last_word: float = 0.0  # its last message (0: none yet); a room's fence is due at the latest fence_bound after it
     last_beat: float = 0.0
     beats: int = 0
     incarnation: str = ""
     session: str = ""
     ready: bool = False
     rooms: set[int] = field(default_factory=set)
-    unfenced: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # released rooms' (lane, slot, generation) waiting for this prefill
+    unfenced: dict[int, Unfenced] = field(default_factory=dict)  # failed rooms (by key) waiting for proof, kept once their engine released them
     draining: bool = False
     beat_wall: float = 0.0  # wall clock when the last heartbeat left
     rtt: float = -1.0  # seconds, from the last answered heartbeat
@@ -78,13 +95,20 @@ class DecodeWork:
     pages: np.ndarray
     legs: dict[int, LegState]  # by leg code
     epoch: int = 0  # its link's epoch when it was asked for
+    span: Span = Span(1, 1)  # the generations of our sessions it may be written into (core/generations.py)
     started: float = 0.0  # when we learnt the prefill began writing
     copies: int = 0  # staged legs being copied into its pages beside the loop: it is not fenced before they end
+    sessions_ended: bool = False  # every generation in span ended: nothing of the prefill's can land
 
     @property
     def peer_fenced(self) -> bool:
         """No prefill rank of the room has a write in flight for it."""
         return all(leg.peer_fenced for leg in self.legs.values())
+
+    @property
+    def writers_done(self) -> bool:
+        """Nothing the prefill sent for it can land any more (its own copies aside)."""
+        return self.sessions_ended or self.peer_fenced
 
 
 @dataclass(frozen=True)

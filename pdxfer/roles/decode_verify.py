@@ -129,7 +129,7 @@ class RoomVerification:
                 self.fail(room, ErrorCode.INTERNAL, f"copying leg {req.leg:#x} out of the staging buffer failed: {error!r}")
             elif not room.finished:
                 self._check_landed(endpoint, room, msg)
-            if w.peer_fenced:  # a failed room waits for its last copy (fenced() checks the rest)
+            if w.writers_done:  # a failed room waits for its last copy (fenced() checks the rest)
                 self.fenced(room)
 
         self.port.off_loop(copy, copied)

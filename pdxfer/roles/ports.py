@@ -98,3 +98,11 @@ class DecodePort(Port, Protocol):
 
     def incarnation_of(self, name: str) -> str:
         """The incarnation the registry holds for the daemon ``name`` now ("" if none)."""
+
+    def rotate_sessions(self) -> None:
+        """Start new transfer engines beside the current ones (Transport.rotate), then call
+        the role's sessions_rotated with their sessions, or rotation_failed with why not."""
+
+    def end_sessions(self, sessions: tuple[str, ...]) -> None:
+        """End the transfer engines at ``sessions`` (Transport.end: nothing sent to them
+        lands afterwards), then call the role's sessions_ended with them."""

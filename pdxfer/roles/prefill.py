@@ -57,8 +57,10 @@ from ..core.protocol import (
     RoomRequest,
     RoomState,
     Send,
+    SessionsDrained,
     TransferStarted,
     tag_of,
+    unpack_legs,
 )
 from ..core.rooms import Event, Room
 from ..core.topology import decode_rank_of, fan_key, prefill_rank_of, room_key, room_of
@@ -89,6 +91,7 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
         self.aux_path = paths.choose_aux_path(self.config.protocol, self.config.aux_path)
         self.staging = staging  # where a leg's slices are gathered before they are written (core/staging.py); None: nowhere
         self.gathered: dict[Job, int] = {}  # a chunk's job: the extent it is written from, until its writes settled
+        self.in_flight_to: collections.Counter[Peer] = collections.Counter()  # jobs not settled (or given up on by the pump), by the sessions they write to
         self.staged_chunks = 0  # chunks written from an extent
         # Peer messages that arrived before the engine registered, replayed after.
         self._early: collections.deque[tuple[bytes, str, bytes]] = collections.deque()
@@ -301,6 +304,12 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             self.port.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=reason))
             log.warning("refused decode daemon %s: %s", hello.session, reason, extra={"peer": hello.session})
             return
+        try:
+            live = unpack_legs(hello.live_legs)
+        except ValueError as exc:
+            self.port.send_peer(identity, PeerRefused(code=ErrorCode.BAD_MESSAGE, reason=str(exc)))
+            log.warning("refused decode daemon %s: %s", hello.session, exc, extra={"peer": hello.session})
+            return
         refusal = self._page_size_refusal(hello)
         if refusal:
             self.port.send_peer(identity, PeerRefused(code=ErrorCode.COMPAT_MISMATCH, reason=refusal))
@@ -314,11 +323,36 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             log.info("decode daemon %s %s (incarnation %s) connected", hello.name, hello.session, hello.incarnation, extra={"peer": hello.session})
         else:
             old = peer.hello
+            old_sessions = peer.sessions
             peer.said(hello)
             moved = {lane.index: lane.memory_version for lane in old.lanes} != {lane.index: lane.memory_version for lane in hello.lanes}
             if moved:
                 self._peer_relocated(peer, old)
+            self._move_parts(peer, live)
+            if peer.sessions != old_sessions:
+                peer.retiring.add(old_sessions)
+                self._say_drained(peer)
         self.port.send_peer(identity, PeerWelcome(version=PROTOCOL_VERSION, incarnation=self.incarnation, session=primary(self.sessions), clock=self.clock(), stages=True))
+
+    def _move_parts(self, peer: DecodePeer, live: set[tuple[int, int]]) -> None:
+        """A peer_hello names the legs of ours its daemon holds live: those write through
+        its sessions from now on; every other part of ours for it failed there (its
+        room_failed may have been lost with a connection, or be behind this hello), so it
+        fails here before a byte of it could go to the new sessions."""
+        for key in list(peer.rooms):
+            room, w = self.rooms.find(key), self.work.get(key)
+            if room is None or w is None or room.finished:
+                continue
+            if (room_of(key), w.leg) in live:
+                w.sessions = peer.sessions
+            else:
+                self.fail(room, ErrorCode.PEER_DEAD, f"decode daemon {peer.hello.name or peer.label} no longer holds this room live (its peer_hello left it out)")
+
+    def _say_drained(self, peer: DecodePeer) -> None:
+        """Tell the decode daemon which of its replaced sessions nothing of ours is in flight through any more."""
+        for sessions in [s for s in peer.retiring if not self.in_flight_to[s]]:
+            peer.retiring.discard(sessions)
+            self.port.send_peer(peer.identity, SessionsDrained(sessions=sessions))
 
     def _page_size_refusal(self, hello: PeerHello) -> str:
         """A9: pages are moved whole, so a decode rank whose page size no rank here has
@@ -401,7 +435,7 @@ class PrefillService(RoomWrites, FanOutParts, RoomService):
             room.lane = next((lane.index for lane in self.lanes if lane.code == prefill_rank_of(leg.leg)), 0)
             self.work[room.id] = PrefillWork()
         w = self.work[room.id]
-        w.peer, w.request, w.dst_pages, w.lease_ms = peer.identity, leg, dst.copy(), msg.lease_ms
+        w.peer, w.request, w.dst_pages, w.lease_ms, w.sessions = peer.identity, leg, dst.copy(), msg.lease_ms, peer.sessions
         room.peer = peer.label
         peer.rooms.add(room.id)
         self.advance(room, Event.BOOTSTRAPPED)

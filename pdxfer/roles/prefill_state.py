@@ -22,6 +22,7 @@ class DecodePeer:
     lanes: dict[int, LaneInfo] = field(default_factory=dict)  # its engine ranks' memory, by lane index (from hello)
     rooms: set[int] = field(default_factory=set)
     draining: bool = False
+    retiring: set[Peer] = field(default_factory=set)  # its replaced sessions we owe a sessions_drained for (once nothing of ours is in flight there)
     skew: float = 0.0  # its wall clock minus ours, from its last heartbeat (seconds, one-way)
     writes_until: float = 0.0  # the newest leave to write it gave (our clock; 0: none), see protocol.Heartbeat
 
@@ -66,6 +67,7 @@ class PrefillWork:
     aux_bytes: int = 0
     memory_version: int = 0
     peer: bytes = b""  # identity of the decode daemon, once its request arrived
+    sessions: Peer = ()  # the decode daemon's sessions this part writes through: those it knew when its request came, or a later peer_hello's that listed it live
     request: LegRequest | None = None  # this rank's leg of the room request
     lease_ms: int = 0  # the request's lease
     dst_pages: np.ndarray | None = None

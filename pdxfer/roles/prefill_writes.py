@@ -194,11 +194,11 @@ class RoomWrites:
             w.written += kept.size
             if planned_blocks is not None:
                 room.bytes_planned += planned_blocks.nbytes
-                job = Job(room.id, peer.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+                job = Job(room.id, w.sessions, planned_blocks, self._kv_written, deadline=w.lease_end, probe=peer.hello.probe_base)
                 w.jobs.add(job)
                 if extent is not None:
                     self.gathered[job] = extent
-                self.port.submit(job)
+                self._submit(job)
         self._aux_when_written(room, w)
 
     def _plan(self, room: Room, w: PrefillWork, peer: DecodePeer, src: np.ndarray, dst: np.ndarray) -> tuple[Blocks, int | None]:
@@ -255,7 +255,25 @@ class RoomWrites:
         own = self.config.transfer_timeout
         return min(own, w.lease_ms / 1000) if w.lease_ms else own
 
+    def _submit(self, job: Job) -> None:
+        self.in_flight_to[job.peer] += 1
+        self.port.submit(job)
+
+    def _settled(self, job: Job) -> None:
+        """A job's writes settled: once none of ours is in flight through a decode daemon's
+        replaced sessions, it hears so (sessions_drained). One the pump gave up on may still
+        land, and stays counted."""
+        if job.abandoned:
+            return
+        self.in_flight_to[job.peer] -= 1
+        if not self.in_flight_to[job.peer]:
+            del self.in_flight_to[job.peer]
+            for peer in self.peers.values():
+                if job.peer in peer.retiring:
+                    self._say_drained(peer)
+
     def _kv_written(self, job: Job) -> None:
+        self._settled(job)
         self._give_extent(self.gathered.pop(job, None))  # its writes settled: nothing reads the extent any more
         room, w = self.rooms.find(job.id), self.work.get(job.id)
         if room is None or w is None or job not in w.jobs:
@@ -294,8 +312,8 @@ class RoomWrites:
         lane = peer.lanes[req.lane]
         dst = lane.aux_base + req.slot * lane.compat.aux_slot_bytes
         blocks = Blocks.of([aux.slot_address(w.aux_slot)], [dst], [HEADER_BYTES + len(payload)])
-        w.job = Job(room.id, peer.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
-        self.port.submit(w.job)
+        w.job = Job(room.id, w.sessions, blocks, self._aux_written, deadline=w.lease_end, probe=peer.hello.probe_base)
+        self._submit(w.job)
 
     def _record(self, room: Room, w: PrefillWork, stamp, payload: bytes = b"", kv: bytes = b"") -> AuxRecord:
         req = w.request
@@ -306,6 +324,7 @@ class RoomWrites:
         )
 
     def _aux_written(self, job: Job) -> None:
+        self._settled(job)
         room, w = self.rooms.find(job.id), self.work.get(job.id)
         if room is None or w is None or w.job is not job:
             return

@@ -68,9 +68,19 @@ class Transport(Protocol):
         """Write PROBE_BYTES from our scratch to ``dst`` at ``peer`` over every route the
         writes take, and wait: are the sessions usable?"""
 
+    def rotate(self) -> Peer:
+        """Start new engines (every region registered with them) and return their sessions,
+        where writes go from now on; the replaced ones keep receiving until ``end``.
+        Called only with nothing of ours in flight."""
+
+    def end(self, sessions: Peer) -> None:
+        """End the engines that rotate replaced, named by their sessions: once this
+        returns, nothing sent to those sessions can land any more (their sockets are
+        closed, with whatever they held unread); no later engine takes their ports."""
+
     def reset(self) -> Peer:
-        """Replace every session (re-create the engines, re-register memory); return the new session ids.
-        Called only with nothing in flight."""
+        """rotate, then end the replaced sessions: return the new session ids. Called only
+        with nothing in flight."""
 
     def close(self) -> None: ...
 

@@ -15,7 +15,7 @@ from typing import Callable
 from ..core import paths
 from ..core.config import Config
 from ..core.errors import Unsupported
-from . import Transport
+from . import Peer, Transport
 
 log = logging.getLogger("pdxfer.transport")
 
@@ -50,8 +50,10 @@ def fault_spec(cfg: Config):
         raise Unsupported(f"--inject-faults: {exc}") from None
 
 
-def make_transport(cfg: Config, scratch: int = 0) -> Transport:
-    """The transfer engines themselves (``scratch``: a registered-to-be buffer to probe from, else their own)."""
+def make_transport(cfg: Config, scratch: int = 0, replacing: bool = False) -> Transport:
+    """The transfer engines themselves (``scratch``: a registered-to-be buffer to probe from,
+    else their own; ``replacing``: in a process that replaces an ended one, where a fault
+    that lasts until a reset is over)."""
     from .mooncake import MooncakeTransport
 
     engine_env = check(cfg)
@@ -66,11 +68,12 @@ def make_transport(cfg: Config, scratch: int = 0) -> Transport:
         return transport
     from .faults import FaultInjectingTransport
 
-    return FaultInjectingTransport(transport, spec)
+    return FaultInjectingTransport(transport, spec, repaired=replacing)
 
 
-def daemon_transport(cfg: Config, on_lost: Callable[[], None]) -> Transport:
-    """``on_lost``: called (from another thread) when an isolated engine's process died."""
+def daemon_transport(cfg: Config, on_lost: Callable[[Peer, bool], None]) -> Transport:
+    """``on_lost``: called (from another thread) when an isolated engine's process died,
+    with its sessions and whether it was the current one."""
     if engine_process(cfg) == "inline":
         return make_transport(cfg)
     from .isolated import IsolatedTransport

@@ -74,7 +74,7 @@ class FaultSpec:
 
 
 class FaultInjectingTransport:
-    def __init__(self, inner: Transport, spec: FaultSpec) -> None:
+    def __init__(self, inner: Transport, spec: FaultSpec, repaired: bool = False) -> None:
         self.inner = inner
         self.spec = spec
         self.injected: dict[str, int] = {"delay": 0, "early": 0, "ghost": 0, "fail": 0, "raise": 0, "break": 0, "broken": 0}
@@ -89,7 +89,7 @@ class FaultInjectingTransport:
         self._ghost_buf = np.zeros(GHOST_MAX * GHOST_SLOTS, np.uint8)
         self._ghost_next = 0
         self._blocks = 0
-        self._repaired = False  # a reset ends the broken_after fault
+        self._repaired = repaired  # a reset (or a new engine process) ends the broken_after fault
         self._lock = threading.Lock()  # guards _later; the late-write thread shares the engine
         self._due = threading.Event()
         self._stopping = False
@@ -169,6 +169,12 @@ class FaultInjectingTransport:
         if self.spec.broken_after and self._blocks >= self.spec.broken_after and not self._repaired:
             return False
         return self.inner.probe(peer, dst)
+
+    def rotate(self) -> Peer:
+        return self.inner.rotate()
+
+    def end(self, sessions: Peer) -> None:
+        self.inner.end(sessions)
 
     def reset(self) -> Peer:
         self._repaired = True

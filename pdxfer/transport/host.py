@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from ..host import memory
+from ..host.processes import listening_ports
 from . import Peer, Status
 
 log = logging.getLogger("pdxfer.transport.host")
@@ -62,6 +63,7 @@ class Region(msgspec.Struct, array_like=True, frozen=True):
 class Start(msgspec.Struct, tag=True, array_like=True):
     config: bytes  # the daemon's Config as JSON: this side builds the transport it would have
     scratch: Region
+    replacing: bool = False  # another process ran before this one (a fault injector's broken_after ends with the first)
 
 
 class Register(msgspec.Struct, tag=True, array_like=True):
@@ -88,16 +90,13 @@ class Probe(msgspec.Struct, tag=True, array_like=True):
     dst: int
 
 
-class Reset(msgspec.Struct, tag=True, array_like=True):
-    req: int
-
-
 class Reply(msgspec.Struct, tag=True, array_like=True):
     req: int
     error: str = ""
     taken: bool = False  # Register: the address is taken in this process
     sessions: list[str] = []
     ok: bool = True
+    ports: list[int] = []  # Start: the TCP ports this process listens on (the daemon refuses one an ended process had)
 
 
 class Settled(msgspec.Struct, tag=True, array_like=True):
@@ -105,7 +104,7 @@ class Settled(msgspec.Struct, tag=True, array_like=True):
     statuses: bytes  # int8, Status values
 
 
-Request = Start | Register | Unregister | Submit | Probe | Reset
+Request = Start | Register | Unregister | Submit | Probe
 Answer = Reply | Settled
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -246,8 +245,9 @@ class Host:
             # Lines like the daemon's own, on the stderr it left us (with JSON, its relay's pipe).
             setup_logging(cfg.log_level, cfg.log_format, f"{cfg.instance} engine", relay=False)
             self.mappings.map(msg.scratch, fd)
-            self.transport = build.make_transport(cfg, scratch=msg.scratch.address)
-            return Reply(0, sessions=list(self.transport.start()))
+            self.transport = build.make_transport(cfg, scratch=msg.scratch.address, replacing=msg.replacing)
+            sessions = self.transport.start()
+            return Reply(0, sessions=list(sessions), ports=sorted(listening_ports()))
         if isinstance(msg, Register):
             self.mappings.map(msg.region, fd)
             self.transport.register(msg.region.address, msg.region.length)
@@ -258,8 +258,6 @@ class Host:
             return Reply(msg.req)
         if isinstance(msg, Probe):
             return Reply(msg.req, ok=self.transport.probe(tuple(msg.peer), msg.dst))
-        if isinstance(msg, Reset):
-            return Reply(msg.req, sessions=list(self.transport.reset()))
         raise TypeError(f"unknown request {msg!r}")
 
     def _submit(self, msg: Submit) -> None:

@@ -12,12 +12,21 @@ turn, one write each.
 
 A session to a peer can break inside the engine (seen here: after a batch over the
 per-peer queue limit, every later write to that peer failed). ``reset`` replaces
-the engine and re-registers everything; the pump calls it when a probe fails.
+the engines and re-registers everything; the pump calls it when a probe fails.
+
+Ending engines is what proves that nothing sent to them can land any more: an engine
+destroyed here has closed its listening and data sockets and stopped the threads that
+apply what arrives (a receiver checks every write against the memory registered with
+it, so only a live engine lands anything). ``rotate`` starts new engines beside the
+current ones, which go on receiving until ``end`` names their sessions; ``reset`` is
+both at once. No new engine takes a port an ended one of this transport had: a writer
+that resumes after a freeze with writes queued for that port would otherwise reach it.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import socket
@@ -30,6 +39,7 @@ import numpy as np
 from ..core.errors import Unsupported
 from ..core.paths import ENGINE_PROTOCOL, stripes
 from ..host.cpu_yield import normal_policy
+from ..host.processes import listening_ports
 from . import PROBE_BYTES, Peer, Status, label
 
 log = logging.getLogger("pdxfer.transport")
@@ -39,12 +49,7 @@ _STATUS = {1: Status.DONE, 0: Status.PENDING, -1: Status.FAILED, -2: Status.FAIL
 SCRATCH_BYTES = 4096
 PROBE_TIMEOUT = 2.0
 DEFAULT_TCP_QUEUE = 1024  # the engine's per-peer queue unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise
-# Engines replaced by a reset stay alive, so tearing one down cannot race the writes it
-# still had in flight; each holds 2 threads and ~5 descriptors, so a daemon that outlives
-# hundreds of peer restarts would run out of descriptors. Past this many resets the
-# oldest reset's engines go: their writes ended resets ago, and an engine's destructor
-# holds the interpreter ~0.5-1 s here.
-RETIRED_KEPT = 8
+FRESH_PORT_TRIES = 8  # engines made in a row that took a port an ended engine had, before giving up
 
 
 ENGINE_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
@@ -109,8 +114,9 @@ class MooncakeTransport:
         self.scratch = scratch  # 0: our own, made in start()
         self.sessions: Peer = ()
         self.resets = 0
+        self.ports: frozenset[int] = frozenset()  # every TCP port this transport's engines ever listened on
         self._engines: list = []
-        self._retired: list[list] = []  # engines replaced by resets, those of the newest RETIRED_KEPT resets
+        self._retiring: dict[Peer, list] = {}  # sessions -> engines replaced by rotate, still receiving until end()
         self._registered: dict[int, int] = {}
         self._turn = 0  # the stripe the next write takes
         self._lock = threading.Lock()
@@ -133,8 +139,22 @@ class MooncakeTransport:
         return engine, (f"{self.host}:{engine.get_rpc_port()}" if self.metadata == "P2PHANDSHAKE" else local)
 
     def _new_engines(self) -> tuple[list, Peer]:
-        made = [self._new_engine() for _ in range(self.engine_count)]
-        return [engine for engine, _ in made], tuple(session for _, session in made)
+        """Started engines (every registered region registered with them) on ports no
+        engine of this transport had before."""
+        for _ in range(FRESH_PORT_TRIES):
+            before = listening_ports()
+            made = [self._new_engine() for _ in range(self.engine_count)]
+            engines, sessions = [engine for engine, _ in made], tuple(session for _, session in made)
+            ports = listening_ports() - before  # what the new engines listen on: nothing else here opens a listener meanwhile
+            if not ports & self.ports:
+                self.ports |= ports
+                for address, length in self._registered.items():
+                    _register(engines, address, length, "re-registering after an engine reset: ")
+                return engines, sessions
+            log.warning("new transfer engines %s took a port an ended one had (%s); making others", label(sessions), sorted(ports & self.ports))
+            self.ports |= ports
+            _destroy(engines)
+        raise Unsupported(f"{FRESH_PORT_TRIES} sets of transfer engines in a row took ports ended engines had; restart the daemon")
 
     def start(self) -> Peer:
         with self._lock:
@@ -152,7 +172,7 @@ class MooncakeTransport:
     def unregister(self, address: int) -> None:
         with self._lock:
             self._registered.pop(address, None)
-            for engine in self._engines:
+            for engine in [*self._engines, *(e for engines in self._retiring.values() for e in engines)]:
                 engine.unregister_memory(address)
 
     def _routes(self, peer: Peer) -> list[tuple[Callable, str, int]]:
@@ -194,28 +214,38 @@ class MooncakeTransport:
             handles = [h for h, status in zip(handles, statuses) if status is Status.PENDING]
             if handles:
                 time.sleep(0.001)
-        return not handles  # a handle left pending stays with its engine; it is retired on reset
+        return not handles  # a handle left pending stays with its engine until it ends
 
-    def reset(self) -> Peer:
+    def rotate(self) -> Peer:
         with self._lock:
             engines, sessions = self._new_engines()
-            for address, length in self._registered.items():
-                _register(engines, address, length, "re-registering after an engine reset: ")
-            self._retired.append(self._engines)
+            self._retiring[self.sessions] = self._engines
             self._engines, self.sessions = engines, sessions
-            self.resets += 1
-            oldest = self._retired[:-RETIRED_KEPT]
-            del self._retired[:-RETIRED_KEPT]
-        log.warning("transfer engines re-created (reset %d); new sessions %s", self.resets, label(self.sessions))
-        if oldest:
+        log.info("new transfer engines %s; %s receive until they are ended", label(sessions), ", ".join(map(label, self._retiring)))
+        return sessions
+
+    def end(self, sessions: Peer) -> None:
+        with self._lock:
+            engines = self._retiring.pop(sessions, None)
+        if engines is not None:
             started = time.monotonic()
-            oldest.clear()
-            log.warning("destroyed the transfer engines replaced %d resets ago (took %.2fs)", RETIRED_KEPT, time.monotonic() - started)
+            _destroy(engines)
+            log.info("ended the transfer engines %s (took %.2fs)", label(sessions), time.monotonic() - started)
+
+    def reset(self) -> Peer:
+        old = self.sessions
+        self.rotate()
+        self.end(old)
+        self.resets += 1
+        log.warning("transfer engines re-created (reset %d); new sessions %s", self.resets, label(self.sessions))
         return self.sessions
 
     def close(self) -> None:
-        self._engines = []
-        self._retired.clear()
+        with self._lock:
+            every = [self._engines, *self._retiring.values()]
+            self._engines, self._retiring = [], {}
+        for engines in every:
+            _destroy(engines)
 
 
 def _register(engines: list, address: int, length: int, context: str = "") -> None:
@@ -226,3 +256,9 @@ def _register(engines: list, address: int, length: int, context: str = "") -> No
             for earlier in engines[:done]:
                 earlier.unregister_memory(address)
             raise Unsupported(f"{context}transfer engine refused to register {length} bytes at {address:#x} (code {rc})")
+
+
+def _destroy(engines: list) -> None:
+    """End engines for real: the last reference goes, and with it their sockets and threads."""
+    engines.clear()
+    gc.collect()  # an engine caught in a reference cycle would live on, and keep receiving

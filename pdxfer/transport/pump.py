@@ -106,7 +106,7 @@ class TransferPump:
         self._failed_to: set[Peer] = set()  # peers a write or probe failed to this round, to tell the event loop
         self._cancels = False  # a job was cancelled since the last round
         self._reset_wanted: Peer = ()  # the peer whose probe failed, until the transport is reset
-        self._cuts: list[concurrent.futures.Future] = []  # operator cuts waiting for nothing in flight
+        self._idle_actions: list[tuple[Callable[[Transport], object], concurrent.futures.Future]] = []  # waiting for nothing in flight
         self._last_round = time.monotonic()
 
     def start(self) -> None:
@@ -128,12 +128,12 @@ class TransferPump:
         self._cancels = True
         self._wake.set()
 
-    def cut(self) -> concurrent.futures.Future:
-        """Re-create the transport once nothing is in flight, on this thread (the only
-        one that calls it); resolves to the new sessions. Transport.reset guarantees
-        that nothing sent through an old session lands afterwards."""
+    def when_idle(self, action: Callable[[Transport], object]) -> concurrent.futures.Future:
+        """Run ``action(transport)`` on this thread (the only one that calls the
+        transport) once nothing is in flight; resolves to what it returns, or raises what
+        it raised. How a daemon rotates, ends and resets its sessions."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._cuts.append(future)
+        self._idle_actions.append((action, future))
         self._wake.set()
         return future
 
@@ -212,8 +212,8 @@ class TransferPump:
         if self._reset_wanted and not any(p.in_flight for p in self._peers.values()):
             self._reset()
             progressed = True
-        if self._cuts and not any(p.in_flight for p in self._peers.values()):
-            self._cut()
+        if self._idle_actions and not any(p.in_flight for p in self._peers.values()):
+            self._run_idle_actions()
             progressed = True
         return progressed
 
@@ -229,18 +229,13 @@ class TransferPump:
                 if peer.in_flight:
                     peer.progress_at += gap
 
-    def _cut(self) -> None:
-        cuts, self._cuts = self._cuts, []
-        try:
-            renewed = self.transport.reset()
-        except Exception as exc:
-            for future in cuts:
+    def _run_idle_actions(self) -> None:
+        actions, self._idle_actions = self._idle_actions, []
+        for action, future in actions:
+            try:
+                future.set_result(action(self.transport))
+            except Exception as exc:  # the caller waits for it
                 future.set_exception(exc)
-            raise
-        self.resets += 1
-        self.loop.call_soon_threadsafe(self.on_reset, renewed)
-        for future in cuts:
-            future.set_result(renewed)
 
     def _fill(self, sessions: Peer, peer: _Peer) -> bool:
         progressed = False

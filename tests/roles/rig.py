@@ -114,9 +114,10 @@ def decode_hello(incarnation: str = DECODE_INCARNATION, name: str = "host/d", in
     the rooms here are about writes. ``lanes`` describe other ranks' pools instead."""
     lane = LaneInfo(index=0, rank=Rank(), compat=compat_of(SPEC, REGIONS, SLOT_BYTES), heads_local=SPEC.heads.local, layers=SPEC.layers,
                     region_bases=(DST_KV,), num_pages=LAYOUT.num_pages, aux_base=DST_AUX, aux_slots=SLOTS, memory_version=1)
+    fields = {"session": DECODE_SESSIONS[0], "sessions": DECODE_SESSIONS, **fields}
     return PeerHello(
-        version=PROTOCOL_VERSION, incarnation=incarnation, session=DECODE_SESSIONS[0], sessions=DECODE_SESSIONS,
-        lanes=lanes or (lane,), name=name, probe_base=DST_PROBE, inline_kv_bytes=inline_kv_bytes, **fields,
+        version=PROTOCOL_VERSION, incarnation=incarnation, lanes=lanes or (lane,), name=name, probe_base=DST_PROBE,
+        inline_kv_bytes=inline_kv_bytes, **fields,
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import zlib
 
+import msgspec
+
 from pdxfer.core.protocol import (
     Abort,
     AuxRecord,
@@ -13,6 +15,7 @@ from pdxfer.core.protocol import (
     Heartbeat,
     HeartbeatAck,
     Ok,
+    PeerHello,
     PeerWelcome,
     PROTOCOL_VERSION,
     Release,
@@ -23,8 +26,11 @@ from pdxfer.core.protocol import (
     RoomRequest,
     RoomState,
     RoomStatus,
+    SessionsDrained,
     TransferStarted,
+    unpack_legs,
 )
+from pdxfer.core.generations import Span
 from pdxfer.core.plan import pages_to_bytes
 from pdxfer.core.slots import SlotState
 from pdxfer.core.stamp import Stamp
@@ -98,10 +104,12 @@ def test_an_expect_opens_a_link_says_hello_and_holds_the_request_until_the_prefi
     slot = grant(service)
     assert call(service, expect(7, [5, 6], slot)) == Ok(req=11)
     assert port.links == [("open", ENDPOINT)]
-    hello = service.hello()
+    hello = service.hello(ENDPOINT)
     assert (hello.name, hello.sessions, hello.session, hello.probe_base) == ("host/d", DECODE_SESSIONS, DECODE_SESSIONS[0], DST_PROBE)
     assert [(lane.index, lane.aux_base, lane.region_bases) for lane in hello.lanes] == [(0, service.lanes[0].aux.memory.address, (service.lanes[0].kv.buffers[0].address,))]
-    assert port.take() == [("link", ENDPOINT, hello)]  # the request waits: its leave to write needs the prefill's clock
+    assert unpack_legs(hello.live_legs) == {(7, 0)}  # the room's one leg, live: any hello from now on names it
+    # The first hello left as the link opened, before the room joined it; the request waits: its leave to write needs the prefill's clock.
+    assert port.take() == [("link", ENDPOINT, msgspec.structs.replace(hello, live_legs=b""))]
 
     port.advance(7)
     link(service, welcome())
@@ -244,18 +252,135 @@ def test_a_released_room_keeps_its_slot_quarantined_until_the_prefills_proof():
     assert slot.state is SlotState.FREE and port.take() == []
 
 
-def test_a_cut_fences_every_fence_pending_room_and_tells_the_prefills_the_new_sessions():
+def test_a_cut_ends_the_old_sessions_once_the_live_prefill_drained_them_then_fences_what_waited():
+    """An operator cut is a rotation: new sessions, a hello to every prefill with the
+    legs it may move there (none: the one room failed), and the old sessions end only
+    once the connected prefill said it drained them; then the room waiting for proof is
+    fenced and the operator answered."""
     service = decode()
     port = service.port
     expecting(service, 7, [5])
+    service.on_connection(ENDPOINT, "connected")
     accepted(service, 7)
     call(service, Abort(req=12, room=7))
     port.take()
-    assert service.cut_done("operator cut", ("10.0.0.2:16101",)) == 1
+    answers = []
+    service.cut("10.0.0.1", answers.append)
+    assert port.rotations == 1 and answers == []
+    service.sessions_rotated(("10.0.0.2:16101",))
+    hello = service.hello(ENDPOINT)
+    assert port.take() == [("link", ENDPOINT, hello)]
+    assert hello.sessions == ("10.0.0.2:16101",) and unpack_legs(hello.live_legs) == set()  # room 7 failed: not live
+    assert port.ended == [] and service.rotation.waiting == {ENDPOINT}
+    link(service, SessionsDrained(sessions=DECODE_SESSIONS))
+    assert port.ended == [DECODE_SESSIONS]
+    assert service.rooms.get(7).fenced is False  # not before they ended
+    service.sessions_ended(DECODE_SESSIONS)
     reason = "aborted by the decode engine: aborted by engine"
-    assert port.take() == [("engine", ENGINE, status(7, F, fenced=True, code=ErrorCode.ABORTED, reason=reason)),
-                           ("link", ENDPOINT, service.hello())]
-    assert service.hello().sessions == ("10.0.0.2:16101",) and service.cuts == 1
+    assert port.take() == [("engine", ENGINE, status(7, F, fenced=True, code=ErrorCode.ABORTED, reason=reason))]
+    assert answers == [1] and service.cuts == 1 and service.rotation is None
+
+
+# --- fencing by the end of sessions (core/generations.py)
+
+NEW = ("10.0.0.2:16101",)
+
+
+def two_prefills(service: DecodeService) -> None:
+    """Room 7 from ENDPOINT and room 8 from OTHER, both transferring, both links connected."""
+    expecting(service, 7, [5])
+    expecting(service, 8, [6], OTHER, OTHER_ENDPOINT, OTHER_INCARNATION)
+    for endpoint, incarnation, room in ((ENDPOINT, PREFILL_INCARNATION, 7), (OTHER_ENDPOINT, OTHER_INCARNATION, 8)):
+        service.on_connection(endpoint, "connected")
+        accepted(service, room, endpoint=endpoint, incarnation=incarnation)
+
+
+def only_other_answers(service: DecodeService, ms: int) -> None:
+    """``ms`` pass, ticking; the other prefill answers every heartbeat, ENDPOINT nothing."""
+    port = service.port
+    for _ in range(ms // TICK):
+        port.advance(TICK)
+        service.tick()
+        for kind, to, message in port.take():
+            if isinstance(message, Heartbeat) and to == OTHER_ENDPOINT:
+                link(service, HeartbeatAck(seq=message.seq, clock=PREFILL_CLOCK), OTHER_ENDPOINT, OTHER_INCARNATION)
+
+
+def test_a_silent_prefills_rooms_are_fenced_by_a_rotation_that_waits_for_the_live_prefill_alone():
+    """ENDPOINT goes silent with room 7 in flight: past the heartbeat bound the room
+    fails, and a rotation starts at once; the live prefill hears the new sessions with
+    room 8 still its to write, says it drained the old ones, and only then do they end
+    and room 7 is fenced: well within the fence bound of ENDPOINT's last word."""
+    service = decode(heartbeat_interval=1.0, heartbeat_misses=5, fence_bound=15.0)
+    port = service.port
+    two_prefills(service)
+    last_word = port.ms
+    only_other_answers(service, 5_125)
+    assert service.rooms.get(7).state is F and port.rotations == 1
+    (info,) = [p for p in service.peer_infos(port.clock(), 0.0) if p.address == ENDPOINT]
+    assert (info.state, info.fence_pending) == ("silent", 1) and info.fence_in == seconds(last_word + 15_000 - port.ms)
+    service.sessions_rotated(NEW)
+    hellos = {to: m for _, to, m in port.take() if isinstance(m, PeerHello)}
+    assert unpack_legs(hellos[OTHER_ENDPOINT].live_legs) == {(8, 0)} and hellos[OTHER_ENDPOINT].sessions == NEW
+    assert unpack_legs(hellos[ENDPOINT].live_legs) == set()
+    assert service.rotation.waiting == {OTHER_ENDPOINT} and service.work[service.rooms.get(8).id].span == Span(1, 2)
+    only_other_answers(service, 1_000)
+    assert port.ended == []  # the live prefill has not said it drained: its writes in flight would fail
+    link(service, SessionsDrained(sessions=DECODE_SESSIONS), OTHER_ENDPOINT, OTHER_INCARNATION)
+    assert port.ended == [DECODE_SESSIONS]
+    service.sessions_ended(DECODE_SESSIONS)
+    assert service.rooms.get(7).fenced and service.rooms.get(8).state is T
+    assert port.ms - last_word < 15_000 and service.sessions_fenced == 1 and service.rotations == 1
+
+
+def test_a_rotation_ends_the_old_sessions_at_its_deadline_when_a_live_prefill_never_says_it_drained():
+    service = decode(heartbeat_interval=1.0, heartbeat_misses=5, fence_bound=15.0)
+    port = service.port
+    two_prefills(service)
+    last_word = port.ms
+    only_other_answers(service, 5_125)
+    service.sessions_rotated(NEW)
+    deadline = service.rotation.deadline
+    assert deadline == seconds(last_word + 15_000 - 500)
+    only_other_answers(service, round((deadline - port.clock()) * 1000) - TICK)
+    assert port.ended == []
+    only_other_answers(service, 2 * TICK)
+    assert port.ended == [DECODE_SESSIONS]
+    service.sessions_ended(DECODE_SESSIONS)
+    assert service.rooms.get(7).fenced and port.ms - last_word <= 15_000
+
+
+def test_a_room_listed_live_when_the_sessions_changed_waits_for_the_new_ones_too():
+    """Room 8 was live when the hello moved it to the new sessions: failing later, it is
+    not fenced by the end of the old ones alone (its prefill may write it into the new)."""
+    service = decode()
+    port = service.port
+    two_prefills(service)
+    service.cut("10.0.0.3", lambda fenced: None)
+    service.sessions_rotated(NEW)
+    link(service, RoomFailed(room=8, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False), OTHER_ENDPOINT, OTHER_INCARNATION)
+    link(service, SessionsDrained(sessions=DECODE_SESSIONS), OTHER_ENDPOINT, OTHER_INCARNATION)
+    link(service, SessionsDrained(sessions=DECODE_SESSIONS))
+    assert port.ended == [DECODE_SESSIONS]
+    service.sessions_ended(DECODE_SESSIONS)
+    assert not service.rooms.get(8).fenced
+    service.sessions_ended(NEW)  # say its engine process died
+    assert service.rooms.get(8).fenced
+
+
+def test_the_transfer_engine_process_dying_fences_at_once_and_its_successor_is_announced():
+    service = decode()
+    port = service.port
+    expecting(service, 7, [5])
+    service.on_connection(ENDPOINT, "connected")
+    accepted(service, 7)
+    link(service, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=False))
+    port.take()
+    service.sessions_ended(DECODE_SESSIONS)
+    assert service.rooms.get(7).fenced
+    assert [m.fenced for _, _, m in port.take()] == [True]  # the engine hears it
+    service.sessions_rotated(NEW)
+    assert port.take() == [("link", ENDPOINT, service.hello(ENDPOINT))] and service.rotation is None and port.ended == []
 
 
 # --- heartbeats and dead prefills
@@ -331,7 +456,7 @@ def test_a_restarted_prefill_fails_and_fences_its_predecessors_rooms_at_once():
     assert sorted((m.room, m.state, m.fenced) for _, _, m in sent if isinstance(m, RoomStatus)) == [(7, F, True), (8, F, True)]
     assert not any(isinstance(m, RoomFailed) for _, _, m in sent)  # those two were told when the connection went
     assert service.rooms.get(9).state is B  # the new process has its request
-    assert ("link", ENDPOINT, service.hello()) in sent
+    assert ("link", ENDPOINT, service.hello(ENDPOINT)) in sent
     assert all(s.state is not SlotState.QUARANTINED for s in service.lanes[0].aux.slots.slots)
     assert service.links[ENDPOINT].incarnation == new and service.links[ENDPOINT].ready
 

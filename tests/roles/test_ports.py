@@ -21,7 +21,8 @@ def members(protocol: type) -> set[str]:
 
 def test_the_ports_ask_for_what_the_roles_do():
     assert members(PrefillPort) == members(Port) | {"send_peer", "submit", "cancel", "after_event"}
-    assert members(DecodePort) == members(Port) | {"open_link", "close_link", "send_link", "later", "off_loop", "resolve", "incarnation_of"}
+    assert members(DecodePort) == members(Port) | {"open_link", "close_link", "send_link", "later", "off_loop", "resolve", "incarnation_of",
+                                                   "rotate_sessions", "end_sessions"}
     assert members(Port) == {"clock", "wall", "send_engine", "map_memory", "release_mapping", "same_memory", "observe", "watch_engine"}
 
 

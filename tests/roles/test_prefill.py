@@ -15,6 +15,7 @@ from pdxfer.core.protocol import (
     Heartbeat,
     HeartbeatAck,
     Ok,
+    PeerRefused,
     PeerWelcome,
     RoomAccepted,
     RoomAck,
@@ -23,7 +24,9 @@ from pdxfer.core.protocol import (
     RoomRequest,
     RoomState,
     Send,
+    SessionsDrained,
     TransferStarted,
+    pack_legs,
 )
 from pdxfer.core.slots import SlotState
 from pdxfer.core.stamp import HEADER_BYTES
@@ -475,3 +478,67 @@ def test_a_chunk_with_a_gap_is_refused_and_a_room_whose_chunks_end_short_of_the_
     settle(job, error="cancelled")  # fenced once the first chunk's write settled
     assert port.take() == [("peer", DECODE, RoomFailed(room=7, code=ErrorCode.BAD_MESSAGE, reason=reason, fenced=True)),
                            ("engine", ENGINE, status(7, RoomState.FAILED, fenced=True, code=ErrorCode.BAD_MESSAGE, reason=reason, pages=4))]
+
+
+# --- a decode daemon's new sessions (protocol 5)
+
+
+NEW_SESSIONS = ("10.0.0.2:16101",)
+
+
+def test_a_hello_with_new_sessions_moves_the_listed_parts_fails_the_others_and_says_drained_once_old_writes_settle():
+    """The decode daemon rotated its sessions: its hello lists room 7 live, not room 8
+    (failed there; its room_failed lost with a connection). Room 8 fails here before any
+    write of it could go to the new sessions; room 7's next chunk goes there; once the
+    writes still in flight through the old sessions settled, the decode hears so."""
+    service = prefill()
+    port = service.port
+    hello(service)
+    peer(service, request(7, list(range(4, 12))))
+    assert call(service, chunk(7, 0, [1, 2, 3, 4])) == Ok(req=10)
+    job8 = transferring(service, 8)
+    (job7, _) = port.submitted
+    assert job7.peer == job8.peer == DECODE_SESSIONS
+    peer(service, decode_hello(sessions=NEW_SESSIONS, session=NEW_SESSIONS[0], live_legs=pack_legs([(7, 0)])))
+    sent = port.take()
+    assert ("peer", DECODE, RoomFailed(room=8, code=ErrorCode.PEER_DEAD, fenced=False, reason=(
+        "decode daemon host/d no longer holds this room live (its peer_hello left it out)"))) in sent
+    assert not any(isinstance(m, SessionsDrained) for _, _, m in sent)  # two jobs still in flight through the old sessions
+    assert service.rooms.get(7).state is RoomState.TRANSFERRING and service.work[7].sessions == NEW_SESSIONS
+    assert call(service, chunk(7, 4, [5, 6])) == Ok(req=10)
+    assert port.submitted[-1].peer == NEW_SESSIONS  # the moved room's next writes
+    settle(job8, error="cancelled")
+    assert not any(isinstance(m, SessionsDrained) for _, _, m in port.take())
+    settle(job7)
+    assert ("peer", DECODE, SessionsDrained(sessions=DECODE_SESSIONS)) in port.take()
+
+
+def test_a_hello_with_new_sessions_and_nothing_in_flight_is_answered_drained_at_once():
+    service = prefill()
+    port = service.port
+    hello(service)
+    peer(service, decode_hello(sessions=NEW_SESSIONS, session=NEW_SESSIONS[0]))
+    assert ("peer", DECODE, SessionsDrained(sessions=DECODE_SESSIONS)) in port.take()
+    assert service.peers[DECODE].sessions == NEW_SESSIONS and not service.peers[DECODE].retiring
+
+
+def test_writes_the_pump_gave_up_on_keep_the_old_sessions_undrained():
+    """An abandoned job's writes may still land: no sessions_drained for the sessions it wrote to."""
+    service = prefill()
+    port = service.port
+    hello(service)
+    job = transferring(service, 7)
+    peer(service, decode_hello(sessions=NEW_SESSIONS, session=NEW_SESSIONS[0], live_legs=pack_legs([(7, 0)])))
+    port.take()
+    job.abandoned = True
+    settle(job, error="stalled")
+    assert not any(isinstance(m, SessionsDrained) for _, _, m in port.take())
+    assert service.peers[DECODE].retiring == {DECODE_SESSIONS}
+
+
+def test_a_hello_with_a_torn_live_leg_list_is_refused():
+    service = prefill()
+    port = service.port
+    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(decode_hello(live_legs=b"\0" * 15)))
+    ((_, _, refused),) = port.take()
+    assert isinstance(refused, PeerRefused) and "16-byte" in refused.reason

@@ -110,7 +110,7 @@ def test_legs_from_ranks_with_fewer_heads_leave_with_extents_of_the_staging_buff
     assert [leg.head_count for leg in legs] == [1, 1]
     assert all(base <= leg.staged_at and leg.staged_at + LEG_BYTES <= base + size for leg in legs)
     assert len({leg.staged_at for leg in legs}) == 2
-    assert service.hello().staging_base == base and service.hello().staging_bytes == size
+    assert service.hello(ENDPOINT).staging_base == base and service.hello(ENDPOINT).staging_bytes == size
     assert service.staged_legs == 2
 
 
