@@ -414,3 +414,21 @@ def requested(prefill: Engine, decode: Engine, room: int, dst: list[int]) -> Non
 def wait_for(link: Link, room: int, state: RoomState):
     wait_until(lambda: (s := link.status(room)) is not None and s.state is state)
     return link.status(room)
+
+
+@pytest.mark.parametrize("fence_bound, refused", [(15.0, False), (30.0, True)])
+def test_a_decode_server_refuses_an_engine_that_would_release_pages_before_its_daemon_can_fence(daemons, fence_bound, refused):
+    """SGLang gives up holding a failed request's decode pages after its deferred-release
+    timeout (30 s by default); the daemon fences within its --fence-bound: the backend
+    learns the bound on connecting and refuses a timeout that is not above it."""
+    from pdxfer.adapters.sglang.link import release_timeout_refusal
+
+    decode = Engine(daemons("decode", "--fence-bound", str(fence_bound)), Role.DECODE)
+    try:
+        assert decode.link.fence_bound == fence_bound
+        why = release_timeout_refusal(30.0, decode.link.fence_bound)
+        assert bool(why) is refused
+        if refused:
+            assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT is 30s" in why and f"within {fence_bound:g}s (its --fence-bound)" in why
+    finally:
+        decode.link.close()

@@ -10,7 +10,9 @@ besides, so a page that differs fails its room outright."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 
@@ -294,6 +296,111 @@ def test_an_aborted_request_ends_aborted_on_both_sides_and_its_decode_pages_wait
     assert sorted(c["room"] for c in run.calls if c["call"] == "release_pages") == sorted(aborted.values())
     print("decode pages held until fenced: " + ", ".join(f"wave {w} {s:.2f} s" for w, s in held.items()))
 
+
+
+FREEZE_SECONDS = 40.0  # past SGLang's deferred release timeout (30 s by default)
+
+
+def host_processes(daemon) -> list[int]:
+    """Every process of a 'host': the SGLang server's processes beside ``daemon`` (their
+    environment names its engine endpoint), the daemon, and its transfer engine's process."""
+    wanted = f"PDXFER_ENDPOINT={daemon.engine}".encode()
+    pids = {daemon.proc.pid, daemon.ready["engine_pid"]}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if wanted in fh.read().split(b"\0"):
+                        pids.add(int(entry))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return sorted(pids)
+
+
+class HostFreeze:
+    """Stops (SIGSTOP) every process of the prefill's host once its daemon reports a room
+    transferring, as a paused VM would, and resumes them FREEZE_SECONDS later: on a thread,
+    while the wave waits for its answers."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.frozen_at = self.resumed_at = 0.0  # wall clock
+        self.pids: list[int] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        with AdminClient(self.daemon.ready["admin"]) as admin:
+            deadline = time.monotonic() + 120
+            while not any(r.state.value == "transferring" for r in admin.call(AdminRooms).rooms):
+                assert time.monotonic() < deadline, "no room of the wave reached transferring"
+                time.sleep(0.005)
+        self.pids = host_processes(self.daemon)
+        for pid in self.pids:
+            os.kill(pid, signal.SIGSTOP)
+        self.frozen_at = time.time()
+        time.sleep(FREEZE_SECONDS)
+        for pid in reversed(self.pids):
+            os.kill(pid, signal.SIGCONT)
+        self.resumed_at = time.time()
+
+    def join(self) -> None:
+        self._thread.join(FREEZE_SECONDS + 180)
+
+
+def test_a_prefill_host_frozen_past_sglangs_release_timeout_leaves_no_decode_request_with_wrong_kv(needs_sglang, model_dir, tmp_path):
+    """The default settings on both sides (SGLang holds a failed request's decode pages
+    for 30 s at most; the decode daemon fences within its 15 s bound). The prefill
+    server's whole host (its SGLang processes, its daemon and that daemon's transfer
+    engine process) stops for 40 s while wave 1 transfers. The decode daemon hears
+    nothing, fails the rooms, ends its old transfer sessions and fences them; SGLang
+    gives the pages back because pdxfer says they are safe, not because it gave up
+    waiting. Every decode request of wave 1 ends with an error or the plain engine's
+    tokens; wave 0 before and wave 2 after match token for token, the decode daemon
+    checking every page's digest (--verify-kv)."""
+    waves = abort_waves(seed=43)[:3]
+    expected = sglang_pd.generate_single(model_dir, str(tmp_path / "single"), waves)
+    runtime = tmp_path / "pdxfer"
+    runtime.mkdir(mode=0o700)
+    prefill = start_daemon("prefill", str(runtime), stderr=open(tmp_path / "prefill-daemon.log", "w"))
+    decode = start_daemon("decode", str(runtime), "--verify-kv", stderr=open(tmp_path / "decode-daemon.log", "w"))
+    freeze = HostFreeze(prefill)
+
+    def between(wave: int) -> None:
+        if wave == 1:
+            freeze.start()
+
+    try:
+        run = sglang_pd.generate_pd(
+            model_dir, str(tmp_path / "pd"), waves, backend="pdxfer", extra_plugins={"pdxfer": sglang_pd.entry_point()},
+            plugins=(*sglang_pd.BASELINE_PLUGINS, "decode_log"),
+            prefill_env={"PDXFER_ENDPOINT": prefill.engine}, decode_env={"PDXFER_ENDPOINT": decode.engine},
+            op="generate_each", before_wave=between,
+        )
+        freeze.join()
+        info = admin_info(decode.ready["admin"])
+    finally:
+        assert stop_all([decode, prefill]) == [0, 0]
+
+    assert len(freeze.pids) >= 4, freeze.pids  # the server's processes, the daemon, its transfer engine's
+    assert mismatches(waves[:1], expected[:1], run.tokens[:1]) == []
+    assert mismatches(waves[2:], expected[2:], run.tokens[2:]) == []
+    failed = []
+    for room, want, out in zip(run.rooms[1], expected[1], run.decode_outputs[1]):
+        assert out.get("output_ids") == want or "error" in out, out
+        if "error" in out:
+            failed.append(room)
+    assert failed, "the freeze failed no request: it caught nothing in flight"
+    for room in failed:
+        (release,) = run.calls_for(room, "release_pages")
+        assert release["safe"] is True, release  # pdxfer fenced the room: SGLang did not give up on it
+        assert release["t"] < freeze.resumed_at, (release, freeze.resumed_at)
+        assert release["t"] - freeze.frozen_at < 30.0, (release, freeze.frozen_at)  # before SGLang's own timeout
+    assert info.counters["session_rotations"] >= 1 and info.counters["rooms_fenced_by_session_end"] >= len(failed), info.counters
+    print(f"{len(failed)} decode requests failed with the frozen host, their pages back "
+          f"{max(c['t'] for r in failed for c in run.calls_for(r, 'release_pages')) - freeze.frozen_at:.1f} s into the freeze")
 
 
 def test_a_decode_server_without_deferred_release_refuses_to_start(needs_sglang, model_dir, tmp_path):

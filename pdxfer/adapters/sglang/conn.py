@@ -40,7 +40,7 @@ from ...core.protocol import Rank, Role, RoomState, RoomStatus
 from ...core.topology import local_heads
 from ..cuda import event_after
 from .layout import registration
-from .link import Link, Rows, daemon_endpoint, prefill_daemon, unsupported_ranks
+from .link import Link, Rows, daemon_endpoint, prefill_daemon, release_timeout_refusal, unsupported_ranks
 from .places import locate
 
 log = logging.getLogger("pdxfer.sglang")
@@ -129,6 +129,10 @@ class PdxferKVManager(CommonKVManager):
             rows=Rows(args.aux_data_ptrs, args.aux_item_lens), aux_slots=AUX_SLOTS_PER_ROW * args.aux_data_lens[0] // args.aux_item_lens[0],
         )
         self.link.open()
+        refusal = "" if prefill else release_timeout_refusal(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(), self.link.fence_bound)
+        if refusal:
+            self.link.close()
+            raise ValueError(f"--disaggregation-transfer-backend pdxfer: {refusal}")
         self.skip_pages: dict[int, int] = {}  # prefill: room -> pages of it the decode already holds
         self.sent_tokens: dict[int, int] = {}  # prefill: room -> tokens sent so far
         self.cuda = device == "cuda"

@@ -51,6 +51,18 @@ def unsupported_ranks(sizes: Rank) -> list[str]:
     return found
 
 
+def release_timeout_refusal(release_timeout: float, fence_bound: float) -> str:
+    """Why a decode server cannot run with SGLang's deferred release giving up after
+    ``release_timeout`` seconds beside a decode daemon that fences a failed room within
+    ``fence_bound``: SGLang would hand the pages of a request whose writes may still land
+    to another request. "" when it can."""
+    if release_timeout > fence_bound:
+        return ""
+    return (f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT is {release_timeout:g}s, but the pdxfer decode daemon "
+            f"fences a failed request's pages only within {fence_bound:g}s (its --fence-bound): SGLang would give them to another "
+            "request while a write for the failed one may still land. Raise the timeout above the bound, or lower --fence-bound")
+
+
 def prefill_daemon(rows: Sequence[tuple[str, int]]) -> str:
     """The prefill daemon a decode rank's room comes from: every prefill rank it reads
     (SGLang's /route rows, ``(rank_ip, rank_port)``) must name the same one, which
@@ -110,6 +122,7 @@ class Link:
         self._lost: dict[int, RoomStatus] = {}  # rooms of a connection that went away
         self._dropping: set[int] = set()  # rooms to release once they settle
         self.bootstrap = ("", 0)  # the prefill daemon's bootstrap endpoint (host, port)
+        self.fence_bound = 0.0  # decode: within how long the daemon fences a failed room (Welcome.fence_bound)
 
     # --- connection
 
@@ -133,6 +146,7 @@ class Link:
         except BaseException:
             client.close()
             raise
+        self.fence_bound = welcome.fence_bound
         if welcome.bootstrap:
             host, _, port = welcome.bootstrap.rpartition("//")[2].rpartition(":")
             if self.bootstrap[1] and self.bootstrap != (host, int(port)):
