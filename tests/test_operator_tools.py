@@ -221,7 +221,7 @@ def test_native_stderr_lines_become_json_entries():
     assert logs.native_entry(logs.GLOG_BANNER, 0)[0] == "debug"
     assert logs.native_entry("Traceback (most recent call last):", 0)[1]["logger"] == "stderr"
     # The transfer engine's process logs JSON records of its own to the pipe: passed on as they are.
-    ours = {"ts": 2.0, "level": "error", "logger": "pdxfer.transport.host", "msg": "x"}
+    ours = {"ts": 2.0, "level": "error", "logger": "pdxfer.transport.engine_process", "msg": "x"}
     assert logs.native_entry(json.dumps(ours), 0) == ("error", ours)
     assert logs.native_entry("{not json", 0)[1]["logger"] == "stderr"
     out = io.StringIO()

@@ -30,7 +30,7 @@ KV_POOL_PREFIX, AUX_BUFFER_PREFIX = "pdxfer-kv", "pdxfer-aux"  # engines' shared
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 # Where a daemon whose transfer engine runs in a process of its own maps host memory
 # (place_mappings_apart): that process maps the same memory at the same addresses
-# (transport/host.py), so both must have them free. The kernel places mappings
+# (transport/engine_process.py), so both must have them free. The kernel places mappings
 # top-down from just under the stack (0x7f.. here); 32-64 TiB is far below, where
 # neither process puts anything of its own. Left to the kernel, the daemon's pools
 # landed on one of the engine process's own mappings about once in 3,000 registrations.

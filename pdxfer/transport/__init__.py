@@ -5,7 +5,7 @@ thread (see pump.py), except ``register`` which start-up and registrations call 
 a worker thread. ``mooncake.MooncakeTransport`` is the real one;
 ``faults.FaultInjectingTransport`` wraps it to inject faults the real one cannot be
 made to produce on demand (tests only). ``isolated.IsolatedTransport`` runs either in
-a process of its own (``host.py``), so that the engine's death is not the daemon's;
+a process of its own (``engine_process.py``), so that the engine's death is not the daemon's;
 ``build.py`` chooses.
 
 The roles hand the pump a ``Job`` per room and peer; it is defined here, so that they

@@ -1,4 +1,4 @@
-"""A Transport whose transfer engine runs in a process of its own (host.py), so that
+"""A Transport whose transfer engine runs in a process of its own (engine_process.py), so that
 whatever ends the engine leaves the daemon serving.
 
 The daemon keeps what a new engine process needs to take over: every registered
@@ -41,7 +41,7 @@ from ..host.cpu_yield import normal_policy
 from ..host.memory import SharedMemory, place_mappings_apart
 from ..host.processes import exit_status
 from . import Peer, Status, label
-from .host import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Settled, Start, Submit, Unregister
+from .engine_messages import BLOCKS_PER_SUBMIT, MAX_PACKET, SOCKET_BUFFER, Answer, Probe, Region, Register, Reply, Settled, Start, Submit, Unregister
 from .mooncake import PROBE_TIMEOUT, SCRATCH_BYTES
 
 log = logging.getLogger("pdxfer.transport")
@@ -358,7 +358,7 @@ class IsolatedTransport:
 
 def _start_process(fd: int) -> subprocess.Popen:
     with normal_policy():  # the engine's threads must not inherit a yielding daemon's SCHED_IDLE
-        return subprocess.Popen([sys.executable, "-m", "pdxfer.transport.host", str(fd)], pass_fds=[fd])
+        return subprocess.Popen([sys.executable, "-m", "pdxfer.transport.engine_process", str(fd)], pass_fds=[fd])
 
 
 def _kill(engine: EngineProcess) -> None:
