@@ -92,6 +92,27 @@ class EngineWatch:
         return out
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), parents first; those that
+    exit while they are read are left out."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as fh:
+                    children = [int(c) for c in fh.read().split()]
+            except FileNotFoundError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
 def socket_inodes(pid: int | str = "self") -> set[str]:
     """The inodes of process ``pid``'s socket descriptors, as /proc/net's tables name them."""
     inodes = set()

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..host.processes import exit_status
+from ..host.processes import descendants, exit_status
 
 
 class LaunchError(RuntimeError):
@@ -51,12 +51,16 @@ class DaemonProcess:
         return self.proc.poll() is None
 
     def freeze(self, frozen: bool) -> None:
-        """Stop (SIGSTOP) or resume (SIGCONT) the daemon and its transfer engine's
-        process together, as a paused host or cgroup would: the engine's writes wait
-        with the daemon."""
-        pids = {self.pid, self.ready.get("engine_pid") or self.pid}
-        for pid in sorted(pids, reverse=not frozen):
-            os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        """Stop (SIGSTOP) or resume (SIGCONT) the daemon and every process below it (its
+        transfer engine's, whichever runs now) together, as a paused host or cgroup
+        would: the engine's writes wait with the daemon. Stopped top down, resumed
+        bottom up."""
+        pids = [self.pid, *descendants(self.pid)]
+        for pid in pids if frozen else reversed(pids):
+            try:
+                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+            except ProcessLookupError:  # exited meanwhile (an ended engine's process)
+                continue
 
     def terminate(self) -> None:
         """Ask the daemon to shut down (SIGTERM), without waiting. Once: a second
