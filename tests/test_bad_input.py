@@ -43,7 +43,7 @@ from pdxfer.core import errors
 from pdxfer.core import protocol as p
 from pdxfer.core.plan import compat_of, layout_registration, pages_to_bytes
 from pdxfer.core.protocol import RoomState
-from pdxfer.roles.base import loose_req
+from pdxfer.daemon.server import loose_req
 from pdxfer.roles.decode import bootstrap_endpoint
 from pdxfer.tools.launch import start_daemon, stop_all
 from pdxfer.wire.batch import MAX_BATCH

@@ -18,7 +18,8 @@ from pdxfer.client import AsyncClient, Client, KVPool, _Requests
 from pdxfer.core import config, errors
 from pdxfer.core.plan import layout_registration
 from pdxfer.core.protocol import AllocSlot, Codec, CudaIpcHandle, Error, GetStats, Heartbeat, Ok, Role, RoomAck, RoomState, RoomStatus
-from pdxfer.daemon.server import Daemon, PrefillDaemonPort
+from pdxfer.daemon.prefill_side import PrefillDaemonPort
+from pdxfer.daemon.server import Daemon
 from pdxfer.host import memory
 from pdxfer.roles.prefill import PrefillService
 from pdxfer.tools.launch import LaunchError, start_daemon
@@ -196,12 +197,12 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
             registered.append(length)
 
     cfg = config.Config(role=Role.PREFILL, runtime_dir=runtime_dir)
-    port = PrefillDaemonPort(Daemon(cfg, Transport()), observe=lambda room, left, now: None)
+    port = PrefillDaemonPort(Daemon(cfg, Transport()), lambda room, left, now: None, None, None, None, "cpu")
     service = PrefillService(cfg, "i" * 16, port, sessions=(), bootstrap_address="")
     pool = KVPool.create(small_layout())
     try:
         request = _Requests("unused")._pool_registration(pool)
-        reply = await service.on_engine(b"engine", Codec().encode(request))
+        reply = await service.on_engine(b"engine", request)
         assert isinstance(reply, Ok), reply
         assert registered == [pool.memory.size]
         assert mapped_on and threading.get_ident() not in mapped_on
@@ -222,10 +223,10 @@ async def test_an_engine_message_whose_handler_raises_is_counted_and_the_daemon_
     try:
         handle = daemon.service.on_engine
 
-        def buggy(identity, payload):
-            if msgspec.msgpack.decode(payload).get("req") == 7:
+        def buggy(identity, msg):
+            if msg.req == 7:
                 raise RuntimeError("a bug in a handler")
-            return handle(identity, payload)
+            return handle(identity, msg)
 
         daemon.service.on_engine = buggy
         raw.connect(daemon.engine_endpoint)
@@ -236,8 +237,7 @@ async def test_an_engine_message_whose_handler_raises_is_counted_and_the_daemon_
             assert asyncio.get_running_loop().time() < deadline, "the handler's failure was not counted"
             await asyncio.sleep(0.01)
         assert (await client.stats()).failures["task:engine-message"] == 1
-        about_no_live_room = [Codec().encode(Heartbeat(seq=1)), Codec().encode(RoomAck(room=5))]
-        daemon._peer_messages_dropped(b"peer", about_no_live_room)
+        daemon.side._dropped([Heartbeat(seq=1), RoomAck(room=5)])  # about no live room
         assert (await client.stats()).failures["dropped:peer-message"] == 2
     finally:
         raw.close(0)

@@ -19,7 +19,7 @@ from pdxfer.core.protocol import AuxRecord, ErrorCode, Layout, LegRequest, PeerH
 from pdxfer.core.stamp import stamp_for
 from pdxfer.host.memory import SharedMemory
 from pdxfer.ops.inspection import daemon_counters
-from pdxfer.roles.pools import MappedKV
+from pdxfer.roles.lanes import MappedKV
 
 from .conftest import needs_mooncake, small_layout
 from .roomkit import SLACK, engine, free_port, start_room

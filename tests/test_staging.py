@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pdxfer.core.plan import plan_from_staging, plan_leg_blocks, plan_staged_blocks, staged_layout
 from pdxfer.core.protocol import Heads, KVRegion, KVSpec, PageOrder, RegionKind
 from pdxfer.core.staging import ALIGN, StagingArena, slice_span, stage_spans_below, staging_mib, worth_staging
-from pdxfer.roles.pools import MappedKV
+from pdxfer.roles.lanes import MappedKV
 
 
 def test_worth_staging_only_a_whole_rank_against_short_spans_of_a_slice_in_host_pages():

@@ -33,7 +33,7 @@ from pdxfer.core.protocol import (
     TransferStarted,
 )
 from pdxfer.ops.inspection import daemon_counters
-from pdxfer.roles.decode_state import OFFSET_SAMPLES, PrefillLink
+from pdxfer.roles.decode.state import OFFSET_SAMPLES, PrefillLink
 from pdxfer.wire.seal import Seal
 
 from .conftest import needs_mooncake

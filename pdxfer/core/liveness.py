@@ -55,3 +55,16 @@ class Heartbeats:
 def resumed(last_heard: float, now: float) -> float:
     """When a peer counts as last heard from once this daemon stood still: now, unless later."""
     return max(last_heard, now)
+
+
+@dataclass
+class TickGaps:
+    """A daemon's own ticks: whether it stood still since the last one, for long enough
+    that its peers' silence meanwhile is its own (Heartbeats.stood_still)."""
+
+    heartbeats: Heartbeats
+    last: float = 0.0
+
+    def stood_still(self, now: float) -> bool:
+        last, self.last = self.last, now
+        return self.heartbeats.stood_still(last, now)

@@ -13,6 +13,15 @@ notices it did not get (IMPLIED); the room passes every state on the way.
 Success and Failed are terminal and sticky: a late event for a finished room changes
 nothing (a completion that arrives after the room failed must not revive it). Any
 other move not in the table is a bug and raises IllegalTransition.
+
+Fencing (S2) is kept here too. A room knows what may still write into this side's
+memory for it (``writers``: on the decode side the legs whose prefill rank has not said
+it has nothing in flight, on the prefill side its jobs the pump has not settled or gave
+up on) and the copies into its pages still running (decode). A failed room is *fenced*
+the moment neither is left: when a writer is done (``writer_done``), all of them are
+gone at once (``writers_gone``: a restarted peer, ended sessions, a closed transport)
+or a copy ends. A succeeded room is fenced with its success. A room its engine released
+before its fence (``released``) stays in the table, and goes once fenced.
 """
 
 from __future__ import annotations
@@ -111,11 +120,16 @@ class Room:
     deadline: float
     has_input: bool = False
     fenced: bool = False  # no write for this room can land in this side's memory any more
+    # What may still write into this side's memory for the room: leg codes (decode) or
+    # jobs (prefill); and the copies into its pages still running (decode, staged legs).
+    writers: set = field(default_factory=set)
+    copies: int = 0
+    released: bool = False  # its engine released it before it was fenced: dropped once it is
     release_when_settled: bool = False  # the engine sends no release: drop the room once its settled status is pushed
     code: ErrorCode | None = None
     reason: str = ""
     peer: str = ""
-    lane: int = 0  # the engine rank (roles.pools.Lane index) whose memory and slot the room uses
+    lane: int = 0  # the engine rank (roles.lanes.Lane index) whose memory and slot the room uses
     slot: int = -1
     generation: int = 0
     bytes_planned: int = 0
@@ -208,6 +222,8 @@ class RoomTable:
         if target is F:
             room.code = code or ErrorCode.INTERNAL
             room.reason = reason or "failed"
+        elif target is S:
+            room.fenced = True  # it ended well: its writers are done
         left = room.state
         room.state = target
         room.entered = now
@@ -218,6 +234,38 @@ class RoomTable:
         if self.observer is not None:
             self.observer(room, left, now)
         return True
+
+    # --- fencing
+
+    @staticmethod
+    def fence_if_done(room: Room) -> bool:
+        """Fence a failed room nothing may write for any more; whether it became fenced now."""
+        if room.state is not F or room.fenced or room.writers or room.copies:
+            return False
+        room.fenced = True
+        return True
+
+    @staticmethod
+    def writer_started(room: Room, writer) -> None:
+        room.writers.add(writer)
+
+    def writer_done(self, room: Room, writer) -> bool:
+        """``writer`` has nothing in flight for the room any more; whether it became fenced."""
+        room.writers.discard(writer)
+        return self.fence_if_done(room)
+
+    def writers_gone(self, room: Room) -> bool:
+        """Nothing any writer of the room sent can land any more; whether it became fenced."""
+        room.writers.clear()
+        return self.fence_if_done(room)
+
+    @staticmethod
+    def copy_started(room: Room) -> None:
+        room.copies += 1
+
+    def copy_done(self, room: Room) -> bool:
+        room.copies -= 1
+        return self.fence_if_done(room)
 
     def remove(self, room_id: int) -> Room | None:
         room = self._rooms.pop(room_id, None)

@@ -32,7 +32,6 @@ from ..core.protocol import (
 from ..core.rooms import Room
 from ..core.slots import SlotState
 from ..core.topology import room_key, room_of
-from ..roles.decode import DecodeService
 
 
 def room_info(room: Room, now: float, history: bool = False) -> RoomInfo:
@@ -64,7 +63,8 @@ def _rank_rooms(service, room: int) -> list[Room]:
 def _released(service, room: int) -> list[RoomInfo]:
     """The outcome of every local rank's part of ``room`` that its engine released
     (kept for a while, bounded); UnknownRoom when there is none either."""
-    found = [(lane, service.finished[key]) for lane in service.lanes if (key := room_key(room, lane.code)) in service.finished]
+    finished = service.book.finished
+    found = [(lane, finished[key]) for lane in service.lanes if (key := room_key(room, lane.code)) in finished]
     if not found:
         service.rooms.get(room)  # raises UnknownRoom, naming it
     return [
@@ -90,7 +90,7 @@ def not_ready(daemon) -> list[str]:
         waiting.append("no KV pool registered")
     if service is None or not any(lane.aux is not None for lane in service.lanes):
         waiting.append("no aux buffer registered")
-    if service is None or not service.engines or not daemon.engine_connections():
+    if service is None or not service.lanes.engines or not daemon.engine_connections():
         waiting.append("no engine connected")
     if daemon.draining:
         waiting.append("draining for shutdown")
@@ -109,26 +109,13 @@ def info(daemon, req: int = 0) -> InfoReply:
         "jobs_written": float(pump.jobs_written),
         "job_queue_seconds": pump.job_queue_seconds,
         "job_write_seconds": pump.job_write_seconds,
-        "rooms_succeeded": float(service.outcomes["success"]),
-        "rooms_failed": float(service.outcomes["failed"]),
-        "bytes_received": float(service.bytes_received),
-        "kv_inline_rooms": float(service.kv_inline_rooms),
-        "kv_inline_bytes": float(service.kv_inline_bytes),
-        "engine_messages": float(service.engine_messages),
         "cpu_takebacks": float(daemon.cpu_takebacks),
         "transfer_engine_process_restarts": float(daemon.engine_process_restarts),
-        "lanes": float(len(service.lanes)),
-        **{f"peer_messages_in:{kind}": float(n) for kind, n in service.peer_messages.items()},
+        **service.counters(),
     }
     for state in (s for s in RoomState if not s.terminal):  # the pdxfer_room_state_seconds histogram's sum and count: where rooms spend their time
         histogram = daemon.metrics.state_seconds[state]
         counters.update({f"state_seconds:{state.value}": histogram.total, f"state_left:{state.value}": float(histogram.count)})
-    if isinstance(service, DecodeService):
-        counters.update(legs_staged=float(service.staged_legs), staging_full=float(service.staging_full),
-                        session_rotations=float(service.rotations), rooms_fenced_by_session_end=float(service.sessions_fenced))
-    else:
-        counters.update(chunks_gathered=float(service.staged_chunks), staging_full=float(service.staging_full))
-    counters["staging_taken_bytes"] = float(service.staging_taken_bytes)
     waiting = not_ready(daemon)
     return InfoReply(
         req=req, role=cfg.role, name=cfg.instance, incarnation=daemon.incarnation, version=PROTOCOL_VERSION,
@@ -145,7 +132,7 @@ def handle(daemon, msg: Message) -> Message:
     try:
         if isinstance(msg, AdminInfo):
             return info(daemon, msg.req)
-        now = service.clock()
+        now = time.monotonic()
         if isinstance(msg, AdminRooms):
             rooms = [
                 room_info(r, now) for r in service.rooms
@@ -167,7 +154,7 @@ def handle(daemon, msg: Message) -> Message:
                 failed = [service.fail(room, ErrorCode.ABORTED, f"failed by an operator: {msg.reason}") for room in rooms]
                 if not any(failed):
                     raise errors.BadMessage(f"room {msg.room} already finished ({rooms[0].state.value})", room=msg.room)
-            return RoomsReply(req=msg.req, rooms=[room_info(room, service.clock(), history=True) for room in rooms])
+            return RoomsReply(req=msg.req, rooms=[room_info(room, time.monotonic(), history=True) for room in rooms])
         if isinstance(msg, AdminPeers):
             if msg.cut:
                 _writes_allowed(daemon, "cut a peer")

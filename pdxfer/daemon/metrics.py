@@ -9,13 +9,43 @@ a prometheus_client call (those cost several microseconds each).
 
 from __future__ import annotations
 
+import collections
+import time
+
 import numpy as np
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..core.protocol import RoomState
 from ..core.rooms import Room
-from ..roles.decode import DecodeService
+
+# A role's own counters (RoleInbound.counters): (metric, kind, help), each only where its role counts it.
+ROLE_COUNTERS = {
+    "bytes_received": ("pdxfer_bytes_received", CounterMetricFamily, "Bytes of rooms this (decode) daemon verified and delivered"),
+    "kv_inline_rooms": ("pdxfer_kv_inline_rooms", CounterMetricFamily, "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)"),
+    "kv_inline_bytes": ("pdxfer_kv_inline_bytes", CounterMetricFamily, "KV bytes sent inside aux records (prefill side)"),
+    "session_rotations": ("pdxfer_session_rotations", CounterMetricFamily, "Times this (decode) daemon moved its prefills to new transfer sessions and ended the old ones"),
+    "rooms_fenced_by_session_end": ("pdxfer_rooms_fenced_by_session_end", CounterMetricFamily,
+                                    "Failed rooms fenced because every transfer session they could be written into ended (decode side)"),
+    "legs_staged": ("pdxfer_legs_staged", CounterMetricFamily, "Legs between ranks of different TP received through the staging buffer (decode side)"),
+    "chunks_gathered": ("pdxfer_chunks_gathered", CounterMetricFamily,
+                        "Chunks of legs to decode ranks of higher TP gathered into the staging buffer and written from it (prefill side)"),
+    "staging_taken_bytes": ("pdxfer_staging_taken_bytes", GaugeMetricFamily,
+                            "Bytes of the staging buffer held by legs or chunks now (a decode leg's until nothing more of it can land)"),
+    "staging_full": ("pdxfer_staging_full", CounterMetricFamily,
+                     "Legs (decode) or chunks (prefill) that would have been staged but found the staging buffer full, or /dev/shm too full to back their extent, so wrote between the pages"),
+    "engine_messages": ("pdxfer_engine_messages", CounterMetricFamily, "Messages received from engines (a poll() answered from pushed statuses sends none)"),
+    "lanes": ("pdxfer_lanes", GaugeMetricFamily, "Engine ranks this daemon serves (each with its own pools, slots and rooms)"),
+    "heartbeat_misses": ("pdxfer_heartbeat_misses", CounterMetricFamily, "Heartbeats sent with no word from the peer since the one before (decode side)"),
+}
+PEER_STATES = ("alive", "draining", "connecting", "silent")
+
+
+def peer_states(peers) -> dict[str, int]:
+    """Peers by state (every state, 0 where none is)."""
+    counts = collections.Counter(p.state for p in peers)
+    return {state: counts.get(state, 0) for state in PEER_STATES}
+
 
 # Seconds, from a loopback room (~1 ms) to a room stuck until its timeout.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -113,47 +143,37 @@ class _Collector:
             rooms.add_metric([state.value], n)
         yield rooms
         slots = GaugeMetricFamily("pdxfer_slots", "Aux slots, by state", labels=["state"])
-        for state, n in service.slot_counts().items():
+        for state, n in service.lanes.slot_counts().items():
             slots.add_metric([state.value], n)
         yield slots
         peers = GaugeMetricFamily("pdxfer_peers", "Peers, by state", labels=["state"])
-        for state, n in service.peer_states().items():
+        for state, n in peer_states(service.peer_infos(time.monotonic(), 0.0)).items():
             peers.add_metric([state], n)
         yield peers
         yield GaugeMetricFamily(
             "pdxfer_fence_pending_rooms",
             "Failed rooms whose pages and slot wait for their writer's proof that nothing is in flight, or the end of their transfer sessions (decode side)",
-            value=sum(p.fence_pending for p in service.peer_infos(service.clock(), 0.0)),
+            value=sum(p.fence_pending for p in service.peer_infos(time.monotonic(), 0.0)),
         )
         queues = GaugeMetricFamily("pdxfer_queue_depth", "Writes in flight and jobs waiting in the transfer pump", labels=["queue"])
         for name, n in pump.depths().items():
             queues.add_metric([name], n)
         yield queues
         errors = CounterMetricFamily("pdxfer_errors", "Failed rooms, task errors and peer messages dropped, by reason", labels=["reason"])
-        for reason, n in service.failures.items():
+        for reason, n in service.book.failures.items():
             errors.add_metric([reason], n)
         yield errors
         yield CounterMetricFamily("pdxfer_bytes_moved", "Bytes written by this daemon's transfers", value=pump.bytes_done)
-        yield CounterMetricFamily("pdxfer_bytes_received", "Bytes of rooms this (decode) daemon verified and delivered", value=service.bytes_received)
         yield CounterMetricFamily("pdxfer_blocks_submitted", "Blocks handed to the transfer engine", value=pump.blocks_submitted)
-        yield CounterMetricFamily("pdxfer_kv_inline_rooms", "Rooms whose KV rode their aux record instead of transfer-engine writes (prefill side)", value=service.kv_inline_rooms)
-        yield CounterMetricFamily("pdxfer_kv_inline_bytes", "KV bytes sent inside aux records (prefill side)", value=service.kv_inline_bytes)
-        if isinstance(service, DecodeService):
-            yield CounterMetricFamily("pdxfer_session_rotations", "Times this (decode) daemon moved its prefills to new transfer sessions and ended the old ones", value=service.rotations)
-            yield CounterMetricFamily("pdxfer_rooms_fenced_by_session_end", "Failed rooms (or their released slots) fenced because every transfer session they could be written into ended (decode side)",
-                                      value=service.sessions_fenced)
-            yield CounterMetricFamily("pdxfer_legs_staged", "Legs between ranks of different TP received through the staging buffer (decode side)", value=service.staged_legs)
-        else:
-            yield CounterMetricFamily("pdxfer_chunks_gathered", "Chunks of legs to decode ranks of higher TP gathered into the staging buffer and written from it (prefill side)", value=service.staged_chunks)
-        yield GaugeMetricFamily("pdxfer_staging_taken_bytes", "Bytes of the staging buffer held by legs or chunks now (a decode leg's until nothing more of it can land)",
-                                value=service.staging_taken_bytes)
-        yield CounterMetricFamily("pdxfer_staging_full", "Legs (decode) or chunks (prefill) that would have been staged but found the staging buffer full, or /dev/shm too full to back their extent, so wrote between the pages", value=service.staging_full)
-        yield CounterMetricFamily("pdxfer_engine_messages", "Messages received from engines (a poll() answered from pushed statuses sends none)", value=service.engine_messages)
+        counters = service.counters()
+        for key, (name, kind, text) in ROLE_COUNTERS.items():
+            if key in counters:  # a role's own: the other role never counts it
+                yield kind(name, text, value=counters[key])
         peer_messages = CounterMetricFamily("pdxfer_peer_messages_received", "Messages received from peer daemons, by kind (one room_request per room per node pair: A5)", labels=["kind"])
-        for kind, n in service.peer_messages.items():
-            peer_messages.add_metric([kind], n)
+        for key, n in counters.items():
+            if key.startswith("peer_messages_in:"):
+                peer_messages.add_metric([key.split(":", 1)[1]], n)
         yield peer_messages
-        yield GaugeMetricFamily("pdxfer_lanes", "Engine ranks this daemon serves (each with its own pools, slots and rooms)", value=len(service.lanes))
         yield CounterMetricFamily("pdxfer_failed_writes", "Writes the transfer engine refused or failed", value=pump.failed_writes)
         yield CounterMetricFamily("pdxfer_transport_stalls", "Times no write to a peer completed within stall_timeout", value=pump.stalls)
         yield CounterMetricFamily("pdxfer_transport_resets", "Times the transfer engine was re-created", value=pump.resets)
@@ -174,7 +194,4 @@ class _Collector:
         yield CounterMetricFamily(
             "pdxfer_cpu_takebacks", "Times the daemon's threads left SCHED_IDLE because other processes starved its event loop", value=daemon.cpu_takebacks,
         )
-        yield CounterMetricFamily(
-            "pdxfer_heartbeat_misses", "Heartbeats sent with no word from the peer since the one before (decode side)",
-            value=service.heartbeat_misses,
-        )
+

@@ -1,5 +1,6 @@
-"""The daemon: wires a role's service to its sockets, the transfer pump and the
-transport, and owns the lifecycle (start, serve, drain, stop).
+"""The daemon: wires a role to its sockets, the transfer pump and the transport, and
+owns the lifecycle (start, serve, drain, stop). What only one role's daemon does (its
+bootstrap channel, its port) is its side's: prefill_side.py, decode_side.py.
 
 Start-up follows paths.startup_steps: bind the device, initialise the transport,
 open the bootstrap endpoint, and open the engine endpoint (with the admin endpoint
@@ -18,43 +19,71 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
+import msgspec
 import zmq
 
 from ..core import paths
 from ..core.config import Config
-from ..core.errors import BadMessage, PdxferError, Unauthenticated, Unsupported
-from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, MemoryHandle, Message, PeerError, PeerRefused, PeersReply, Role, RoomState, ShmHandle
-from ..core.rooms import Room
+from ..core.errors import PdxferError, Unsupported
+from ..core.protocol import UNDECODABLE, AdminPeers, Codec, Error, ErrorCode, Message, PeersReply, Role
 from ..core.topology import key_label, room_of
 from ..host import cpu_yield, memory
 from ..host.processes import EngineWatch
-from ..roles.decode import DecodeService
-from ..roles.pools import Staging
-from ..roles.ports import Mapping
-from ..roles.prefill import PrefillService
-from ..transport import PROBE_BYTES, Job, Peer, Transport, build, label, primary
+from ..roles.inbound import RoleInbound
+from ..transport import Peer, Transport, build, label, primary
 from ..transport.pump import TransferPump
 from ..wire.batch import MAX_BATCH
-from ..wire.bootstrap import PeerLink, PeerServer, Prover, RefusalLog
+from ..wire.bootstrap import RefusalLog
 from ..wire.seal import Seal, read_secret
 from ..wire.sockets import Router
 from . import admin, preflight
+from .decode_side import DecodeSide
 from .http import HttpEndpoint
 from .metrics import Metrics
+from .prefill_side import PrefillSide
 from .registry import DaemonRecord, Registry
 
 log = logging.getLogger("pdxfer.daemon")
 
 TICK_SECONDS = 0.05
-EVENT_POLL_SECONDS = 0.0002  # how often a chunk's CUDA event is asked whether it completed
-# Staged legs are copied into their pages beside the event loop (numpy lets go of the
-# GIL while it copies): on 16 cores, large staged rooms at 2:1 moved 2.40 GB/s with the
-# loop copying and 3.27 with these threads (HISTORY.md).
-COPY_THREADS = 4
 DRAIN_SETTLE = 2.0  # seconds a drain waits for the writes of the rooms it failed
+
+
+class RoleSide(Protocol):
+    """What only one role's daemon does (PrefillSide, DecodeSide)."""
+
+    role: Role
+    bootstrap: str  # host:port of the bootstrap endpoint (prefill), ""
+    service: RoleInbound | None
+
+    async def open(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    def make_service(self, host, observe, sessions: Peer, staging: memory.SharedMemory | None, backed: bool,
+                     pump: TransferPump, scratch: int) -> RoleInbound: ...
+
+    async def serve(self) -> None: ...
+
+    def write_failed(self, sessions: Peer) -> None: ...
+
+    def transport_reset(self, sessions: Peer) -> None: ...
+
+    def transport_lost(self, sessions: Peer, current: bool) -> None: ...
+
+    def transport_closed(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def loose_req(raw: bytes) -> int:
+    """The request id of a message that failed validation, if it has a usable one,
+    so the engine can match the error to its request."""
+    try:
+        req = msgspec.msgpack.decode(raw).get("req", 0)
+    except (msgspec.DecodeError, AttributeError, ValueError, TypeError):  # garbage of any shape
+        return 0
+    return req if type(req) is int and 0 <= req < 2**63 else 0
 
 
 class Daemon:
@@ -63,12 +92,14 @@ class Daemon:
         self.transport = transport
         self.incarnation = uuid.uuid4().hex[:16]
         self.codec = Codec()
-        self.service: PrefillService | DecodeService | None = None
+        self.seal = Seal(self.incarnation)
+        self.side: RoleSide | None = None  # made once the secret is read (start)
+        self.service: RoleInbound | None = None
         self.pump: TransferPump | None = None
         self.engine_endpoint = ""
-        self.bootstrap_address = ""
         self.sessions: Peer = ()  # our transfer engines' sessions
         self.task_failures = 0
+        self.early_failures: dict[str, int] = {}  # counted before the role existed
         self.engine_process_restarts = 0
         self.engine_watch = EngineWatch()  # engine processes this daemon sees: a killed one's rooms fail at once
         self.started = time.monotonic()
@@ -80,22 +111,22 @@ class Daemon:
         self.cpu_takebacks = 0
         self.staging: memory.SharedMemory | None = None  # the staging buffer (core/staging.py)
         self.staging_backed = False  # every page of it backed and mapped at start (--staging-at-start)
-        self.copier: ThreadPoolExecutor | None = None  # threads copying staged legs into pages (decode)
         self._taken_back: list[int] = []  # threads that left SCHED_IDLE, to yield again
         self._engine_calls_in_window = 0  # work for the daemon that cpu_yield judges starvation by
         self._http: HttpEndpoint | None = None
         self.registry: Registry | None = None
         self._admin: Router | None = None
         self._admin_refusals = RefusalLog(log)  # rate-limited: a script without the secret may poll in a loop
-        self.seal = Seal(self.incarnation)
         self._ctx: zmq.Context | None = None
         self._engine: Router | None = None
-        self._bootstrap: PeerServer | None = None
-        self._links: dict[str, PeerLink] = {}
         self._tasks: list[asyncio.Task] = []
         self._oneshots: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._name_lock: preflight.NameLock | None = None
+
+    @property
+    def bootstrap_address(self) -> str:
+        return self.side.bootstrap if self.side is not None else ""
 
     @property
     def session(self) -> str:
@@ -109,6 +140,8 @@ class Daemon:
         # Before anything starts: what would fail later with a traceback, or not at all.
         self._name_lock = preflight.prepare(cfg, engine_needed=self.transport is None)
         self.seal = Seal(self.incarnation, read_secret(cfg.cluster_secret_file))
+        side = PrefillSide if cfg.role is Role.PREFILL else DecodeSide
+        self.side = side(cfg, self.incarnation, self.seal, self.codec, self.count_failure)
         self._ctx = zmq.Context()
         for step in paths.startup_steps(cfg.device):
             if step == "bind_device":
@@ -118,32 +151,25 @@ class Daemon:
                     self.transport = build.daemon_transport(cfg, lambda sessions, current: loop.call_soon_threadsafe(self._engine_process_lost, sessions, current))
                 self.sessions = await loop.run_in_executor(None, self.transport.start)
                 self._yield_cpu()
-            elif step == "open_bootstrap" and cfg.role is Role.PREFILL:
-                self._bootstrap = PeerServer(cfg.host, cfg.bootstrap_port, cfg.max_message_bytes, self._prover())
-                self._bootstrap.on_error = self._peer_handler_failed
-                self._bootstrap.on_dropped = self._peer_messages_dropped
-                self._bootstrap.on_refused = self._peer_connection_refused
-                connection = lambda identity, event: self.service.on_connection(identity, event)  # noqa: E731 (the service comes later)
-                bound = await self._bootstrap.start(loop, self._on_bootstrap, connection, self._envelope)
-                self.bootstrap_address = bound[len("tcp://") :]
+            elif step == "open_bootstrap":
+                await self.side.open(loop)
             elif step == "open_engine_endpoint":
-                self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue)
-                self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue)
-                self._engine.on_error = lambda: self.service.count_failure("task:engine-message")
-                self._admin.on_error = lambda: self.service.count_failure("task:admin-message")
+                self._engine = Router(self._ctx, cfg.engine_address, cfg.max_message_bytes, cfg.engine_queue,
+                                      on_error=lambda: self.count_failure("task:engine-message"))
+                self._admin = Router(self._ctx, cfg.admin_address, cfg.max_message_bytes, cfg.engine_queue,
+                                     on_error=lambda: self.count_failure("task:admin-message"))
         if cfg.staging_bytes:
             self.staging = await self._open_staging(cfg.staging_bytes)
-            if self.staging is not None and cfg.role is Role.DECODE:
-                self.copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pdxfer-copy")
-        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout, on_write_failed=self._write_failed)
+        self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout,
+                                 on_write_failed=self.side.write_failed, on_reset=self._transport_reset)
         self.metrics = Metrics(self)
-        self.service = self._make_service()
-        # Peers, engines and operators are let in only now that the service exists.
-        if self._bootstrap is not None:
-            await self._bootstrap.serve()
+        # The log level is set once, before this: without debug logging the table tells the metrics directly.
+        observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
+        self.service = self.side.make_service(self, observe, self.sessions, self.staging, self.staging_backed, self.pump, self.transport.scratch)
+        # Peers, engines and operators are let in only now that the role exists.
+        await self.side.serve()
         self.engine_endpoint = self._engine.start(loop, self._on_engine)
-        self.admin_endpoint = self._admin.start(loop, self._on_admin, self._envelope)
-        self.pump.on_reset = self._transport_reset
+        self.admin_endpoint = self._admin.start(loop, self._on_admin, lambda payloads: [self.seal.envelope(payloads)])
         self.pump.start()
         if cfg.http_port:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
@@ -195,19 +221,6 @@ class Daemon:
             log.warning("peer window %d is above half the transfer engine's per-peer queue (%d): using %d", self.config.peer_window, limit, window)
             return window
         return self.config.peer_window
-
-    def _make_service(self) -> PrefillService | DecodeService:
-        cfg = self.config
-        # The log level is set once, before this: without debug logging the table tells the metrics directly.
-        observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
-        staging = Staging(self.staging, backed=self.staging_backed) if self.staging is not None else None
-        if cfg.role is Role.PREFILL:
-            return PrefillService(cfg, self.incarnation, PrefillDaemonPort(self, observe), sessions=self.sessions,
-                                  bootstrap_address=self.bootstrap_address, staging=staging)
-        from ..transport.mooncake import installed_release
-
-        return DecodeService(cfg, self.incarnation, DecodeDaemonPort(self, observe), sessions=self.sessions,
-                             probe_base=self.transport.scratch + PROBE_BYTES, engine_release=installed_release(), staging=staging)
 
     async def _open_staging(self, size: int) -> memory.SharedMemory | None:
         """The staging buffer (core/staging.py), registered with the transport; None, with a
@@ -324,23 +337,18 @@ class Daemon:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-            if self.config.role is Role.PREFILL and self.service is not None:
-                # Before the bootstrap sockets close: the decode sides wait for this proof.
-                fenced = self.service.transport_closed()
-                if fenced:
-                    log.info("transfer engines closed: %d failed rooms confirmed fenced to their decode daemons", fenced)
-        if self.copier is not None:  # a copy still reading the staging buffer finishes first (milliseconds)
-            self.copier.shutdown(wait=True)
-            self.copier = None
+            if self.service is not None:
+                self.side.transport_closed()  # before the bootstrap sockets close
+        if self.side is not None:
+            self.side.close()  # its copies still reading the staging buffer finish first (milliseconds)
         if self.staging is not None:
             self.staging.close()
             self.staging = None
         if self._http is not None:
             self._http.close()
-        for sock in (self._engine, self._admin, self._bootstrap, *self._links.values()):
+        for sock in (self._engine, self._admin):
             if sock is not None:
                 sock.close()
-        self._links.clear()
         for identity in list(self.engine_watch.pidfds):
             self._unwatch(identity)
         if self._ctx is not None:
@@ -348,8 +356,6 @@ class Daemon:
             self._ctx = None
         if self.service is not None:
             for mapping in self.service.mappings():
-                mapping.close()
-            for _, mapping in self.service.retired:
                 mapping.close()
         if self._name_lock is not None:  # only now that our sockets are gone may a successor take the name
             self._name_lock.release()
@@ -371,50 +377,43 @@ class Daemon:
                 raise
             except Exception:
                 self.task_failures += 1
-                self.service.count_failure(f"task:{name}")
+                self.count_failure(f"task:{name}")
                 log.exception("background task %s failed; restarting it", name)
                 await asyncio.sleep(0.1)
 
     def _on_engine(self, identity: bytes, frames: list[bytes]) -> None:
         if not 1 <= len(frames) <= MAX_BATCH:
-            self._send_engine(identity, Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"an engine message carries 1 to {MAX_BATCH} frames, not {len(frames)}"))
+            self.post_engine(identity, Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"an engine message carries 1 to {MAX_BATCH} frames, not {len(frames)}"))
             return
         self._engine_calls_in_window += len(frames)
         for raw in frames:
-            reply = self.service.on_engine(identity, raw)
+            reply = self._engine_message(identity, raw)
             if reply is None:
                 continue
             if isinstance(reply, Message):
-                self._send_engine(identity, reply)
+                self.post_engine(identity, reply)
             else:
-                self._oneshot(self._reply_later(identity, reply))
+                self.oneshot(self._reply_later(identity, reply))
+
+    def _engine_message(self, identity: bytes, raw: bytes) -> Message | Awaitable[Message] | None:
+        """One engine message, decoded and handed to the role: its reply (or an awaitable of it)."""
+        if len(raw) > self.config.max_message_bytes:
+            return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
+        try:
+            msg = self.codec.engine_requests.decode(raw)
+        except UNDECODABLE as exc:
+            return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
+        return self.service.on_engine(identity, msg)
 
     async def _reply_later(self, identity: bytes, reply: Awaitable[Message]) -> None:
         """A registration's reply: it maps and registers memory off the loop."""
-        self._send_engine(identity, await reply)
-
-    def _envelope(self, payloads: list[bytes]) -> list[bytes]:
-        return [self.seal.envelope(payloads)]
-
-    def _on_bootstrap(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            # A prefill without a secret refuses a signed decode daemon: that one would
-            # drop every unsigned answer and wait out its rooms' bootstrap timeout.
-            incarnation, payloads = self.seal.open(frames, refuse_signed=True)
-        except Unauthenticated as exc:
-            self.service.refuse_unauthenticated(identity, frames[1:], exc.message)
-            return
-        except BadMessage as exc:
-            self._send_bootstrap(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
-            return
-        for payload in payloads:
-            self.service.on_peer(identity, incarnation, payload)
+        self.post_engine(identity, await reply)
 
     def _on_admin(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             _, payloads = self.seal.open(frames)
         except PdxferError as exc:
-            self.service.count_failure(f"{exc.code.value}:admin-message")
+            self.count_failure(f"{exc.code.value}:admin-message")
             self._admin_refusals.refused(exc.code, f"refused an admin request on {self.admin_endpoint}: {exc.message}")
             self._admin.post(identity, self.codec.encode(Error(req=0, code=exc.code, message=exc.message)))
             return
@@ -426,7 +425,7 @@ class Daemon:
             except UNDECODABLE as exc:
                 reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"cannot decode admin request: {exc}")
             if asyncio.iscoroutine(reply):  # an action that takes a while answers when done
-                self._oneshot(self._answer_admin_later(identity, reply))
+                self.oneshot(self._answer_admin_later(identity, reply))
                 continue
             self._admin.post(identity, self.codec.encode(reply))
 
@@ -444,54 +443,26 @@ class Daemon:
         answers."""
         if self.config.role is not Role.DECODE:
             raise Unsupported("a cut runs on the decode daemon: it owns the memory that writes land in; a prefill's memory is only read")
-        self.service.check_cut(msg.cut)
-        return self._cut(msg)
+        return self._cut(msg, self.side.cut(msg.cut))
 
-    async def _cut(self, msg: AdminPeers) -> Message:
-        done = asyncio.get_running_loop().create_future()
-        self.service.cut(msg.cut, lambda fenced: done.done() or done.set_result(fenced))
-        await done
-        return PeersReply(req=msg.req, peers=self.service.peer_infos(self.service.clock(), time.time()))
-
-    def _rotate_sessions(self) -> None:
-        """Decode: new transfer engines beside the current ones (DecodeService.sessions_rotated)."""
-        self._oneshot(self._rotate())
-
-    async def _rotate(self) -> None:
-        try:
-            sessions = await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.rotate()))
-        except Exception as exc:
-            self.service.rotation_failed(str(exc))
-            return
-        self.sessions = sessions
-        self.service.sessions_rotated(sessions)
-
-    def _end_sessions(self, sessions: Peer) -> None:
-        """Decode: end the engines at ``sessions`` (DecodeService.sessions_ended)."""
-        self._oneshot(self._end(sessions))
-
-    async def _end(self, sessions: Peer) -> None:
-        await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.end(sessions)))
-        self.service.sessions_ended(sessions)
+    async def _cut(self, msg: AdminPeers, cutting: Awaitable[int]) -> Message:
+        await cutting
+        return PeersReply(req=msg.req, peers=self.service.peer_infos(time.monotonic(), time.time()))
 
     def _engine_process_lost(self, sessions: Peer, current: bool) -> None:
         """A transfer engine process died (isolated.py): nothing sent to its sessions can
         land any more, which a decode daemon's rooms waiting for that proof hear at once.
         The current one's writes in flight are lost: once the pump holds none, a new
         process takes over with new sessions."""
-        if self.config.role is Role.DECODE:
-            self.service.sessions_ended(sessions)
+        self.side.transport_lost(sessions, current)
         if current:
             self.engine_process_restarts += 1
-            self._oneshot(self._replace_lost_engine())
+            self.oneshot(self._replace_lost_engine())
 
     async def _replace_lost_engine(self) -> None:
         sessions = await asyncio.wrap_future(self.pump.when_idle(lambda transport: transport.rotate()))
-        if self.config.role is Role.DECODE:
-            self.sessions = sessions
-            self.service.sessions_rotated(sessions)
-        else:
-            self._transport_reset(sessions)
+        self.sessions_changed(sessions)
+        self.side.replaced(sessions)
 
     def _observe(self, room, left, now: float) -> None:
         """The room table's observer with debug logging: metrics, and one line per transition."""
@@ -531,18 +502,30 @@ class Daemon:
                 start, window = window, cpu_yield.sample()
                 self._cpu_window(*(now - then for now, then in zip(window, start)))
 
-    # --- sending: the daemon's own, and its ports' (below)
+    # --- what ports ask of the daemon (ports.EngineHost)
 
-    def _send_engine(self, identity: bytes, message: Message) -> None:
+    def post_engine(self, identity: bytes, message: Message) -> None:
         self._engine.post(identity, self.codec.encode(message))
 
-    def _send_bootstrap(self, identity: bytes, message: Message) -> None:
-        self._bootstrap.post(identity, self.codec.encode(message))
+    async def register_memory(self, address: int, size: int) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.transport.register, address, size)
 
-    def engine_connections(self) -> int:
-        return self._engine.connections if self._engine is not None else 0
+    def unregister_memory(self, address: int) -> Awaitable[None]:
+        return asyncio.get_running_loop().run_in_executor(None, self.transport.unregister, address)
 
-    def _oneshot(self, coro) -> None:
+    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
+        """Fail an engine connection's rooms at once when its process exits, where this host sees it."""
+        watch = self.engine_watch
+        if watch.pidfd(identity) is not None:  # the connection said hello again
+            self._unwatch(identity)
+        if not watch.add(identity, pid, pid_namespace):
+            log.info("engine connection %s: its process (pid %d) is not visible here; a killed engine's rooms fail at their timeouts", identity.hex(), pid)
+            return
+        fd = watch.pidfd(identity)
+        if fd is not None:
+            asyncio.get_running_loop().add_reader(fd, self._engine_exited, identity)
+
+    def oneshot(self, coro) -> None:
         """Run a one-off step in the background; its failure is logged and counted."""
         task = asyncio.create_task(coro)
         self._oneshots.add(task)
@@ -551,221 +534,30 @@ class Daemon:
     def _oneshot_done(self, task: asyncio.Task) -> None:
         self._oneshots.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.service.count_failure("task:one-shot")
+            self.count_failure("task:one-shot")
             log.error("background step failed: %r", task.exception())
 
-    def _write_failed(self, sessions: Peer) -> None:
-        """A write to ``sessions`` failed: a prefill judges whether that decode daemon
-        is gone (a decode daemon's pump writes nothing of its own)."""
-        if isinstance(self.service, PrefillService):
-            self.service.write_failed(sessions)
-
-    def _transport_reset(self, sessions: Peer) -> None:
+    def sessions_changed(self, sessions: Peer) -> None:
         self.sessions = sessions
-        self.service.new_sessions(sessions)
-
-    def _prover(self) -> Prover | None:
-        """What proves the cluster secret on the bootstrap channel: nothing without one."""
-        return self.seal if self.seal.secret else None
-
-    def _peer_connection_refused(self, code: ErrorCode, why: str) -> list[bytes]:
-        """A bootstrap connection this prefill refused (the channel logged it):
-        counted, and one refused over the cluster secret hears why, which fails that
-        decode daemon's rooms here at once, with that reason, rather than at their
-        timeout. The reason says nothing a stranger could not know."""
-        self.service.count_failure(f"{code.value}:peer-connection")
-        if code is not ErrorCode.UNAUTHENTICATED:
-            return []
-        return self.seal.seal([self.codec.encode(PeerRefused(code=code, reason=why))])
-
-    def _link_refused(self, endpoint: str, code: ErrorCode, why: str) -> list[bytes]:
-        """A connection to a prefill that this decode daemon refused (the channel
-        logged it): counted; one that did not prove the cluster secret fails the
-        link's rooms now, naming it. It is told nothing: it proved nothing."""
-        self.service.count_failure(f"{code.value}:peer-connection")
-        if code is ErrorCode.UNAUTHENTICATED:
-            self.service.link_unproven(endpoint, why)
-        return []
-
-    def _open_link(self, endpoint: str) -> None:
-        cfg = self.config
-        link = PeerLink(endpoint, self.incarnation.encode(), cfg.max_message_bytes, self._prover())
-        link.on_error = self._peer_handler_failed
-        link.on_dropped = self._peer_messages_dropped
-        link.on_refused = lambda code, why: self._link_refused(endpoint, code, why)
-        link.keep = self.service.still_wanted
-        link.greeting = lambda: [self.codec.encode(self.service.hello(endpoint))]
-        link.start(
-            asyncio.get_running_loop(),
-            lambda frames: self._on_link(endpoint, frames),
-            lambda event: self.service.on_connection(endpoint, event),
-            self._envelope,
-        )
-        self._links[endpoint] = link
-
-    def _on_link(self, endpoint: str, frames: list[bytes]) -> None:
-        try:
-            incarnation, payloads = self.seal.open(frames)
-        except Unauthenticated as exc:
-            self.service.link_unauthenticated(endpoint, exc.message)
-            return
-        except BadMessage as exc:
-            self.service.count_failure("bad_message")
-            log.warning("dropped a message from prefill %s: %s", endpoint, exc, extra={"peer": endpoint})
-            return
-        for payload in payloads:
-            self.service.on_link(endpoint, incarnation, payload)
-
-    def _peer_handler_failed(self) -> None:
-        self.service.count_failure("task:peer-message")
-
-    def _peer_messages_dropped(self, to: bytes | None, payloads: list[bytes]) -> None:
-        """Messages to a peer that could not be queued (logged by the channel): counted,
-        and their rooms failed on the next turn of the loop, since a drop can happen
-        inside the very handler that posted the message."""
-        self.service.count_failure("dropped:peer-message", len(payloads))
-        asyncio.get_running_loop().call_soon(self.service.unsent, payloads)
-
-    def _close_link(self, endpoint: str) -> None:
-        link = self._links.pop(endpoint, None)
-        if link is not None:
-            link.close()
-
-    def _send_link(self, endpoint: str, message: Message) -> None:
-        link = self._links.get(endpoint)
-        if link is not None:
-            link.post(self.codec.encode(message))
-
-
-# --- the roles' ports (roles/ports.py): a role's effects become posts on the daemon's
-# sockets, jobs for its pump, mappings registered with its transport, timers on its loop
-
-
-class DaemonPort:
-    """What both roles' ports do in a daemon."""
-
-    clock = staticmethod(time.monotonic)
-    wall = staticmethod(time.time)
-
-    def __init__(self, daemon: Daemon, observe: Callable[[Room, RoomState | None, float], None]) -> None:
-        self._daemon = daemon
-        self.observe = observe  # the metrics' observer, or with debug logging one that also logs
-
-    def send_engine(self, identity: bytes, message: Message) -> None:
-        self._daemon._send_engine(identity, message)
-
-    async def map_memory(self, handle: MemoryHandle) -> Mapping:
-        """Host memory is mapped off the event loop: populating a big pool takes seconds
-        (0.28 s per 2 GiB here), longer than heartbeats may wait. Device handles open
-        on the loop's thread, the one the device was made current on (D1). Memory is
-        registered with the transport off the loop too."""
-        loop = asyncio.get_running_loop()
-        if isinstance(handle, ShmHandle):
-            mapped = await loop.run_in_executor(None, memory.open_handle, handle)
-        else:
-            mapped = memory.open_handle(handle)
-        try:
-            await loop.run_in_executor(None, self._daemon.transport.register, mapped.address, handle.size)
-        except BaseException:
-            mapped.close()
-            raise
-        return mapped
-
-    def release_mapping(self, mapping: Mapping) -> None:
-        """Unregister a replaced engine buffer from the transport, then unmap it, in the background."""
-
-        async def release() -> None:
-            await asyncio.get_running_loop().run_in_executor(None, self._daemon.transport.unregister, mapping.address)
-            mapping.close()
-
-        self._daemon._oneshot(release())
-
-    same_memory = staticmethod(memory.same_memory)
-
-    def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
-        watch = self._daemon.engine_watch
-        if watch.pidfd(identity) is not None:  # the connection said hello again
-            self._daemon._unwatch(identity)
-        if not watch.add(identity, pid, pid_namespace):
-            log.info("engine connection %s: its process (pid %d) is not visible here; a killed engine's rooms fail at their timeouts", identity.hex(), pid)
-            return
-        fd = watch.pidfd(identity)
-        if fd is not None:
-            asyncio.get_running_loop().add_reader(fd, self._daemon._engine_exited, identity)
-
-
-class PrefillDaemonPort(DaemonPort):
-    """roles.ports.PrefillPort: decode daemons on the bootstrap endpoint, writes through the pump."""
-
-    def send_peer(self, identity: bytes, message: Message) -> None:
-        self._daemon._send_bootstrap(identity, message)
-
-    def submit(self, job: Job) -> None:
-        self._daemon.pump.submit(job)
-
-    def cancel(self, job: Job) -> None:
-        self._daemon.pump.cancel(job)
-
-    def after_event(self, handle: bytes, done: Callable[[str], None]) -> None:
-        """Polled on the loop's thread (the device is current there, D1) every
-        EVENT_POLL_SECONDS: the chunk waits, the loop does not."""
-        if paths.device_kind(self._daemon.config.device) != "cuda":
-            done(f"this daemon runs on {self._daemon.config.device}, not a CUDA device: send() a CUDA event only to a daemon started with --device cuda:N")
-            return
-        try:
-            event = memory.CudaIpcEvent(handle)
-        except PdxferError as exc:
-            done(exc.message)
-            return
-        loop = asyncio.get_running_loop()
-
-        def check() -> None:
-            try:
-                finished = event.done()
-            except PdxferError as exc:
-                event.close()
-                done(exc.message)
-                return
-            if finished:
-                event.close()
-                done("")
-            else:
-                loop.call_later(EVENT_POLL_SECONDS, check)
-
-        check()
-
-
-class DecodeDaemonPort(DaemonPort):
-    """roles.ports.DecodePort: one bootstrap link per prefill daemon, timers on the loop,
-    names looked up in the registry (--registry)."""
-
-    def open_link(self, endpoint: str) -> None:
-        self._daemon._open_link(endpoint)
-
-    def close_link(self, endpoint: str) -> None:
-        self._daemon._close_link(endpoint)
-
-    def send_link(self, endpoint: str, message: Message) -> None:
-        self._daemon._send_link(endpoint, message)
-
-    def later(self, delay: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
-        return asyncio.get_running_loop().call_later(delay, fn)
-
-    def off_loop(self, work: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
-        future = asyncio.get_running_loop().run_in_executor(self._daemon.copier, work)
-        future.add_done_callback(lambda f: None if f.cancelled() else done(f.exception()))
-
-    def rotate_sessions(self) -> None:
-        self._daemon._rotate_sessions()
-
-    def end_sessions(self, sessions: Peer) -> None:
-        self._daemon._end_sessions(sessions)
 
     def resolve(self, name: str) -> str | None:
-        registry = self._daemon.registry
-        return None if registry is None else registry.resolve(name).bootstrap
+        return None if self.registry is None else self.registry.resolve(name).bootstrap
 
     def incarnation_of(self, name: str) -> str:
-        registry = self._daemon.registry
-        record = registry.peers.get(name) if registry is not None else None
+        record = self.registry.peers.get(name) if self.registry is not None else None
         return record.incarnation if record is not None else ""
+
+    def count_failure(self, reason: str, n: int = 1) -> None:
+        """A failure of the daemon's own (its tasks, its sockets), counted with the role's."""
+        if self.service is not None:
+            self.service.book.count_failure(reason, n)
+        else:
+            self.early_failures[reason] = self.early_failures.get(reason, 0) + n
+
+    def engine_connections(self) -> int:
+        return self._engine.connections if self._engine is not None else 0
+
+    def _transport_reset(self, sessions: Peer) -> None:
+        """The pump re-created the transport after a stall or a failed probe."""
+        self.sessions = sessions
+        self.side.transport_reset(sessions)

@@ -56,6 +56,11 @@ class Port(Protocol):
         """Tell the role (engine_gone) when the process behind an engine connection
         exits, where this host can see it."""
 
+    def back_staging(self, offset: int, nbytes: int) -> None:
+        """Back [offset, +nbytes) of the staging buffer with pages, or raise
+        InsufficientCapacity (a full /dev/shm: writing an unbacked page would end the
+        writer with SIGBUS). What roles.staging.Staging reserves through."""
+
 
 class PrefillPort(Port, Protocol):
     """A prefill daemon answers decode daemons and writes into them."""

@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..core.topology import key_label
 from ..host.cpu_yield import normal_policy
 from . import Job, Peer, Status, Transport, label
 
@@ -80,13 +81,14 @@ class TransferPump:
         stall_timeout: float = 5.0,
         *,
         on_write_failed: Callable[[Peer], None],  # runs on the event loop
+        on_reset: Callable[[Peer], None] = lambda sessions: None,  # after a stall or failed probe re-created the transport; on the loop
     ) -> None:
         self.transport = transport
         self.window = window
         self.loop = loop
         self.stall_timeout = stall_timeout
         self.on_write_failed = on_write_failed
-        self.on_reset: Callable[[Peer], None] = lambda sessions: None  # runs on the event loop
+        self.on_reset = on_reset
         self.blocks_submitted = 0
         self.bytes_done = 0
         self.failed_writes = 0
@@ -347,7 +349,8 @@ class TransferPump:
             peer.suspect = False
             return
         self._failed_to.add(sessions)
-        log.warning("probe of the transfer session to %s failed; re-creating the transport", label(sessions))
+        log.warning("probe of the transfer session to %s failed (jobs of rooms %s waiting for it); re-creating the transport",
+                    label(sessions), ", ".join(key_label(key) for key in sorted({job.id for job in peer.jobs})))
         self._reset_wanted = sessions
 
     def _reset(self) -> None:

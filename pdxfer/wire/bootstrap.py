@@ -250,15 +250,17 @@ class PeerServer:
     ``on_refused(code, why)`` hears of each connection refused (also logged) and
     returns a last message to write to it before it closes, or []."""
 
-    def __init__(self, host: str, port: int, max_bytes: int, prover: Prover | None = None) -> None:
+    def __init__(self, host: str, port: int, max_bytes: int, prover: Prover | None = None, *,
+                 on_error: Callable[[], None] = lambda: None, on_dropped: Dropped = lambda to, payloads: None,
+                 on_refused: Refused = lambda code, why: []) -> None:
         self.host = host
         self.port = port
         self.max_bytes = max_bytes
         self.prover = prover
         self.bound = ""
-        self.on_error: Callable[[], None] = lambda: None  # a message handler raised (logged too)
-        self.on_dropped: Dropped = lambda to, payloads: None
-        self.on_refused: Refused = lambda code, why: []
+        self.on_error = on_error  # a message handler raised (logged too)
+        self.on_dropped = on_dropped
+        self.on_refused = on_refused
         self.refusals = RefusalLog(log)
         self._server: asyncio.AbstractServer | None = None
         self._open: set[_Connection] = set()
@@ -400,14 +402,17 @@ class PeerLink:
     dropped and ``on_dropped`` hears of them. What was buffered on a connection that
     dropped is lost. ``on_refused`` is as on PeerServer."""
 
-    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prover: Prover | None = None) -> None:
+    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prover: Prover | None = None, *,
+                 on_error: Callable[[], None] = lambda: None, on_refused: Refused = lambda code, why: [],
+                 on_dropped: Dropped = lambda to, payloads: None, keep: Callable[[bytes], bool] = lambda payload: True,
+                 greeting: Callable[[], list[bytes]] = lambda: []) -> None:
         self.endpoint = endpoint
         self.host, self.port = split_endpoint(endpoint)
         self.identity = identity
         self.max_bytes = max_bytes
         self.prover = prover
-        self.on_error: Callable[[], None] = lambda: None  # a handler raised (logged too)
-        self.on_refused: Refused = lambda code, why: []
+        self.on_error = on_error  # a handler raised (logged too)
+        self.on_refused = on_refused
         self.refusals = RefusalLog(log)
         # The connection in its handshake, and what it learnt so far.
         self._setup: _Connection | None = None
@@ -422,11 +427,11 @@ class PeerLink:
         self._task: asyncio.Task | None = None
         self._on_message: Callable[[list[bytes]], None] = lambda frames: None
         self._on_connection: Callable[[str], None] = lambda event: None
-        self.on_dropped: Dropped = lambda to, payloads: None
-        self.keep: Callable[[bytes], bool] = lambda payload: True  # on connecting: whether one posted meanwhile still goes
+        self.on_dropped = on_dropped
+        self.keep = keep  # on connecting: whether one posted meanwhile still goes
         # On connecting again: what goes before everything posted meanwhile (the decode's
         # peer_hello: a prefill that restarted meanwhile must hear it before any request).
-        self.greeting: Callable[[], list[bytes]] = lambda: []
+        self.greeting = greeting
         self._taken = 0  # connections taken so far
 
     def start(

@@ -184,14 +184,14 @@ class Router:
     ``on_message(identity, frames)`` gets each message; ``on_error()`` hears of each
     one whose handler raised."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, hwm: int) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, hwm: int, on_error: Callable[[], None] = lambda: None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.max_bytes = max_bytes
         self.hwm = hwm
         self.bound = ""
         self.connections = 0  # peers connected now (ROUTER sockets do not say who left, only that someone did)
-        self.on_error: Callable[[], None] = lambda: None
+        self.on_error = on_error
         self._io: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
 

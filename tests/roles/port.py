@@ -63,6 +63,7 @@ class RecordingPort:
         self.events: list[tuple[bytes, Callable[[str], None]]] = []  # CUDA events a role waits for: (handle, call when done)
         self.event_error = ""  # set: every CUDA event fails at once with it, as on a daemon that cannot wait on one
         self.copies: list[tuple[Callable[[], None], Callable[[BaseException | None], None]]] = []  # work handed off the loop, not run yet
+        self.backed: list[tuple[int, int]] = []  # staging buffer extents backed with pages (offset, bytes)
         self.rotations = 0  # new transfer sessions asked for (the test answers with the role's sessions_rotated)
         self.ended: list[tuple[str, ...]] = []  # transfer sessions asked to end (the test answers with sessions_ended)
         self._timers: list[tuple[int, int, Callable[[], None]]] = []
@@ -156,6 +157,9 @@ class RecordingPort:
 
     def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
         self.watched[identity] = (pid, pid_namespace)
+
+    def back_staging(self, offset: int, nbytes: int) -> None:
+        self.backed.append((offset, nbytes))
 
     def rotate_sessions(self) -> None:
         self.rotations += 1

@@ -69,9 +69,19 @@ def done(awaitable):
     raise AssertionError("the coroutine waited on something")
 
 
+def wired(message: Message) -> tuple[Message, int]:
+    """A peer message as it comes off the wire to a role: decoded, and its bytes there."""
+    raw = codec.encode(message)
+    return codec.peer_messages.decode(raw), len(raw)
+
+
+def wire(message: Message) -> Message:
+    return wired(message)[0]
+
+
 def call(service, message: Message, engine: bytes = ENGINE) -> Message | None:
     """The engine ``engine`` sends ``message``; the reply."""
-    reply = service.on_engine(engine, codec.encode(message))
+    reply = service.on_engine(engine, codec.engine_requests.decode(codec.encode(message)))
     return done(reply) if hasattr(reply, "send") else reply
 
 

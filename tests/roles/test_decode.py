@@ -47,12 +47,13 @@ from .rig import (
     PREFILL_SESSIONS,
     TICK,
     call,
-    codec,
+
     decode,
     expect,
     grant,
     run,
     status,
+    wire,
 )
 
 SPAN = 40.0  # s: leave to write for a room sent now, transfer timeout (30) + fence timeout (10)
@@ -62,7 +63,7 @@ B, W, T, S, F = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState
 
 
 def link(service: DecodeService, message, endpoint: str = ENDPOINT, incarnation: str = PREFILL_INCARNATION) -> None:
-    service.on_link(endpoint, incarnation, codec.encode(message))
+    service.on_link(endpoint, incarnation, wire(message))
 
 
 def welcome(clock: float = PREFILL_CLOCK, incarnation: str = PREFILL_INCARNATION) -> PeerWelcome:
@@ -72,7 +73,7 @@ def welcome(clock: float = PREFILL_CLOCK, incarnation: str = PREFILL_INCARNATION
 def expecting(service: DecodeService, room: int, pages: list[int], bootstrap: str = "10.0.0.1:8998",
               endpoint: str = ENDPOINT, incarnation: str = PREFILL_INCARNATION) -> RoomRequest:
     """The engine expects ``room``; the prefill welcomes the link if it is new. The room's request."""
-    new = endpoint not in service.links
+    new = endpoint not in service.state.links
     assert call(service, expect(room, pages, grant(service), bootstrap)) == Ok(req=11)
     if new:
         link(service, welcome(incarnation=incarnation), endpoint, incarnation)
@@ -116,7 +117,7 @@ def test_an_expect_opens_a_link_says_hello_and_holds_the_request_until_the_prefi
     offset = PREFILL_CLOCK - seconds(START_MS + 7)
     leg = LegRequest(pages=pages_to_bytes([5, 6]), slot=slot.slot, generation=slot.generation, memory_version=1)
     assert port.take() == [("link", ENDPOINT, RoomRequest(room=7, legs=(leg,), lease_ms=30_000, writes_until=port.clock() + offset + SPAN))]
-    assert service.links[ENDPOINT].ready
+    assert service.state.links[ENDPOINT].ready
 
 
 def test_the_leave_to_write_follows_the_best_clock_offset_the_prefills_answers_bound():
@@ -135,7 +136,7 @@ def test_the_leave_to_write_follows_the_best_clock_offset_the_prefills_answers_b
     (beat,) = [m for _, _, m in port.take()]
     better = PREFILL_CLOCK + 0.5 - seconds(START_MS + 2)
     assert beat == Heartbeat(seq=2, wall=port.wall(), writes_until=port.clock() + better + SPAN)
-    assert service.links[ENDPOINT].rtt == seconds(START_MS + 2) - seconds(START_MS)
+    assert service.state.links[ENDPOINT].rtt == seconds(START_MS + 2) - seconds(START_MS)
 
 
 # --- out-of-order accept and aux record
@@ -157,7 +158,7 @@ def test_an_aux_record_before_any_notice_lands_the_room_through_every_state():
     assert service.lanes[0].kv.buffers[0].array[5 * PAGE_BYTES:7 * PAGE_BYTES].tobytes() == kv
     assert service.lanes[0].aux.payload(request.legs[0].slot, 11) == b"first token"
     assert service.lanes[0].aux.slots.slots[request.legs[0].slot].state is SlotState.WRITTEN
-    assert service.bytes_received == room.bytes_moved > len(kv)
+    assert service.verifier.bytes_received == room.bytes_moved > len(kv)
 
 
 def test_an_aux_record_after_room_accepted_but_before_transfer_started_lands_the_room():
@@ -247,9 +248,9 @@ def test_a_released_room_keeps_its_slot_quarantined_until_the_prefills_proof():
     assert port.take() == [("engine", ENGINE, status(7, F, fenced=False, code=ErrorCode.TRANSFER_FAILED, reason="prefill side: write failed"))]
     assert call(service, Release(req=13, room=7)) == Ok(req=13)
     slot = service.lanes[0].aux.slots.slots[request.legs[0].slot]
-    assert service.rooms.find(7) is None and slot.state is SlotState.QUARANTINED
+    assert service.rooms.find(7).released and slot.state is SlotState.QUARANTINED  # it stays, released, until fenced
     link(service, RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="write failed", fenced=True))
-    assert slot.state is SlotState.FREE and port.take() == []
+    assert slot.state is SlotState.FREE and service.rooms.find(7) is None and port.take() == []
 
 
 def test_a_cut_ends_the_old_sessions_once_the_live_prefill_drained_them_then_fences_what_waited():
@@ -271,14 +272,14 @@ def test_a_cut_ends_the_old_sessions_once_the_live_prefill_drained_them_then_fen
     hello = service.hello(ENDPOINT)
     assert port.take() == [("link", ENDPOINT, hello)]
     assert hello.sessions == ("10.0.0.2:16101",) and unpack_legs(hello.live_legs) == set()  # room 7 failed: not live
-    assert port.ended == [] and service.rotation.waiting == {ENDPOINT}
+    assert port.ended == [] and service.sessions.rotation.waiting == {ENDPOINT}
     link(service, SessionsDrained(sessions=DECODE_SESSIONS))
     assert port.ended == [DECODE_SESSIONS]
     assert service.rooms.get(7).fenced is False  # not before they ended
     service.sessions_ended(DECODE_SESSIONS)
     reason = "aborted by the decode engine: aborted by engine"
     assert port.take() == [("engine", ENGINE, status(7, F, fenced=True, code=ErrorCode.ABORTED, reason=reason))]
-    assert answers == [1] and service.cuts == 1 and service.rotation is None
+    assert answers == [1] and service.sessions.cuts == 1 and service.sessions.rotation is None
 
 
 # --- fencing by the end of sessions (core/generations.py)
@@ -323,14 +324,14 @@ def test_a_silent_prefills_rooms_are_fenced_by_a_rotation_that_waits_for_the_liv
     hellos = {to: m for _, to, m in port.take() if isinstance(m, PeerHello)}
     assert unpack_legs(hellos[OTHER_ENDPOINT].live_legs) == {(8, 0)} and hellos[OTHER_ENDPOINT].sessions == NEW
     assert unpack_legs(hellos[ENDPOINT].live_legs) == set()
-    assert service.rotation.waiting == {OTHER_ENDPOINT} and service.work[service.rooms.get(8).id].span == Span(1, 2)
+    assert service.sessions.rotation.waiting == {OTHER_ENDPOINT} and service.state.work[service.rooms.get(8).id].span == Span(1, 2)
     only_other_answers(service, 1_000)
     assert port.ended == []  # the live prefill has not said it drained: its writes in flight would fail
     link(service, SessionsDrained(sessions=DECODE_SESSIONS), OTHER_ENDPOINT, OTHER_INCARNATION)
     assert port.ended == [DECODE_SESSIONS]
     service.sessions_ended(DECODE_SESSIONS)
     assert service.rooms.get(7).fenced and service.rooms.get(8).state is T
-    assert port.ms - last_word < 15_000 and service.sessions_fenced == 1 and service.rotations == 1
+    assert port.ms - last_word < 15_000 and service.sessions.fenced == 1 and service.sessions.rotations == 1
 
 
 def test_a_rotation_ends_the_old_sessions_at_its_deadline_when_a_live_prefill_never_says_it_drained():
@@ -340,7 +341,7 @@ def test_a_rotation_ends_the_old_sessions_at_its_deadline_when_a_live_prefill_ne
     last_word = port.ms
     only_other_answers(service, 5_125)
     service.sessions_rotated(NEW)
-    deadline = service.rotation.deadline
+    deadline = service.sessions.rotation.deadline
     assert deadline == seconds(last_word + 15_000 - 500)
     only_other_answers(service, round((deadline - port.clock()) * 1000) - TICK)
     assert port.ended == []
@@ -380,7 +381,7 @@ def test_the_transfer_engine_process_dying_fences_at_once_and_its_successor_is_a
     assert service.rooms.get(7).fenced
     assert [m.fenced for _, _, m in port.take()] == [True]  # the engine hears it
     service.sessions_rotated(NEW)
-    assert port.take() == [("link", ENDPOINT, service.hello(ENDPOINT))] and service.rotation is None and port.ended == []
+    assert port.take() == [("link", ENDPOINT, service.hello(ENDPOINT))] and service.sessions.rotation is None and port.ended == []
 
 
 # --- heartbeats and dead prefills
@@ -414,8 +415,8 @@ def test_a_silent_prefill_is_declared_dead_after_the_heartbeat_bound_and_exactly
     reason = f"prefill {ENDPOINT} answered nothing for 5.0s (5 heartbeats missed)"
     assert port.take() == [("link", ENDPOINT, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
                            ("engine", ENGINE, status(7, F, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason))]
-    assert service.rooms.get(8).state is T and service.failures["peers_declared_dead"] == 1
-    assert ENDPOINT in service.links  # the link stays: a prefill that recovers gets new rooms
+    assert service.rooms.get(8).state is T and service.book.failures["peers_declared_dead"] == 1
+    assert ENDPOINT in service.state.links  # the link stays: a prefill that recovers gets new rooms
 
 
 def test_a_prefill_that_closes_its_connection_with_live_rooms_is_declared_dead():
@@ -458,7 +459,7 @@ def test_a_restarted_prefill_fails_and_fences_its_predecessors_rooms_at_once():
     assert service.rooms.get(9).state is B  # the new process has its request
     assert ("link", ENDPOINT, service.hello(ENDPOINT)) in sent
     assert all(s.state is not SlotState.QUARANTINED for s in service.lanes[0].aux.slots.slots)
-    assert service.links[ENDPOINT].incarnation == new and service.links[ENDPOINT].ready
+    assert service.state.links[ENDPOINT].incarnation == new and service.state.links[ENDPOINT].ready
 
 
 def test_a_prefill_the_registry_says_was_replaced_has_its_rooms_failed_and_fenced():

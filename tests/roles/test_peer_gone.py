@@ -11,7 +11,7 @@ import pytest
 from pdxfer.core.config import Config
 from pdxfer.core.plan import Blocks, compat_of, layout_registration
 from pdxfer.roles.prefill import PrefillService
-from pdxfer.roles.prefill_state import DecodePeer, PrefillWork
+from pdxfer.roles.prefill.state import DecodePeer, PrefillWork
 from pdxfer.core.protocol import PROTOCOL_VERSION, ErrorCode, LaneInfo, PeerHello, Rank, Role, RoomState
 from pdxfer.transport import Job
 from pdxfer.core.rooms import Event
@@ -34,16 +34,17 @@ SESSIONS = {b"a": ("127.0.0.1:1001", "127.0.0.1:1002"), b"b": ("127.0.0.1:2001",
 def service(tmp_path) -> PrefillService:
     """Two connected decode daemons, a and b, with two rooms each whose writes are in flight."""
     service = PrefillService(Config(role=Role.PREFILL, runtime_dir=str(tmp_path)), "p" * 16, RecordingPort(), sessions=("127.0.0.1:9001",), bootstrap_address="127.0.0.1:8998")
-    now = service.clock()
+    now = service.port.clock()
     for n, (identity, sessions) in enumerate(SESSIONS.items()):
-        peer = service.peers[identity] = DecodePeer(identity, hello(identity.decode(), sessions), now)
+        peer = service.state.peers[identity] = DecodePeer(identity, hello(identity.decode(), sessions), now)
         service.on_connection(identity, "connected")
         for room_id in (10 * (n + 1), 10 * (n + 1) + 1):
             room = service.rooms.create(room_id, Role.PREFILL, now, peer=peer.label)
             service.rooms.apply(room, Event.BOOTSTRAPPED, now)
             service.rooms.apply(room, Event.INPUT_READY, now)
             job = Job(room_id, sessions, Blocks.of([1], [2], [64]), lambda job: None)
-            service.work[room_id] = PrefillWork(peer=identity, job=job)
+            service.state.work[room_id] = PrefillWork(peer=identity)
+            service.rooms.writer_started(room, job)
             peer.rooms.add(room_id)
     return service
 
@@ -57,13 +58,13 @@ LIVE = {10: RoomState.TRANSFERRING, 11: RoomState.TRANSFERRING, 20: RoomState.TR
 
 def test_a_write_that_fails_to_a_connected_decode_daemon_fails_nothing(service):
     service.write_failed(SESSIONS[b"a"])
-    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.peers
+    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.state.peers
 
 
 def test_a_closed_connection_alone_fails_nothing(service):
     service.on_connection(b"a", "disconnected")
     service.write_failed(SESSIONS[b"b"])  # another daemon's, still connected
-    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.peers
+    assert states(service) == LIVE and service.port.cancelled == [] and b"a" in service.state.peers
 
 
 def test_a_write_that_fails_while_its_connection_is_closed_fails_exactly_its_rooms_at_once(service):
@@ -75,7 +76,7 @@ def test_a_write_that_fails_while_its_connection_is_closed_fails_exactly_its_roo
         assert room.code is ErrorCode.PEER_DEAD and not room.fenced, room  # its write in flight has not settled
         assert "bootstrap connection closed" in room.reason and "write to its transfer engine" in room.reason, room.reason
     assert sorted(job.id for job in service.port.cancelled) == [10, 11]
-    assert b"a" not in service.peers and service.failures["peers_declared_dead"] == 1
+    assert b"a" not in service.state.peers and service.book.failures["peers_declared_dead"] == 1
 
 
 def test_a_decode_daemon_that_reconnected_is_not_taken_for_gone(service):

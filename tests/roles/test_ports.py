@@ -8,7 +8,9 @@ import pytest
 
 from pdxfer.core.config import Config
 from pdxfer.core.protocol import Role
-from pdxfer.daemon.server import Daemon, DecodeDaemonPort, PrefillDaemonPort
+from pdxfer.daemon.decode_side import DecodeDaemonPort
+from pdxfer.daemon.prefill_side import PrefillDaemonPort
+from pdxfer.daemon.server import Daemon
 from pdxfer.roles.ports import DecodePort, Port, PrefillPort
 
 from .port import RecordingPort
@@ -23,15 +25,16 @@ def test_the_ports_ask_for_what_the_roles_do():
     assert members(PrefillPort) == members(Port) | {"send_peer", "submit", "cancel", "after_event"}
     assert members(DecodePort) == members(Port) | {"open_link", "close_link", "send_link", "later", "off_loop", "resolve", "incarnation_of",
                                                    "rotate_sessions", "end_sessions"}
-    assert members(Port) == {"clock", "wall", "send_engine", "map_memory", "release_mapping", "same_memory", "observe", "watch_engine"}
+    assert members(Port) == {"clock", "wall", "send_engine", "map_memory", "release_mapping", "same_memory", "observe", "watch_engine",
+                             "back_staging"}
 
 
 @pytest.mark.parametrize("protocol, role, made", [
-    (PrefillPort, Role.PREFILL, PrefillDaemonPort),
-    (DecodePort, Role.DECODE, DecodeDaemonPort),
+    (PrefillPort, Role.PREFILL, lambda daemon, observe: PrefillDaemonPort(daemon, observe, None, None, None, "cpu")),
+    (DecodePort, Role.DECODE, lambda daemon, observe: DecodeDaemonPort(daemon, observe, None, None)),
 ])
 def test_the_daemon_and_the_recording_port_implement_every_member(protocol, role, made):
     daemon = Daemon(Config(role=role))
-    for port in (made(daemon, observe=lambda room, left, now: None), RecordingPort()):
+    for port in (made(daemon, lambda room, left, now: None), RecordingPort()):
         missing = sorted(name for name in members(protocol) if not callable(getattr(port, name, None)))
         assert missing == [], f"{type(port).__name__} lacks {missing}"

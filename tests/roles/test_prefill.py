@@ -48,13 +48,14 @@ from .rig import (
     SLOT_BYTES,
     TICK,
     call,
-    codec,
+
     decode_hello,
     grant,
     prefill,
     run,
     send,
     status,
+    wired,
 )
 
 TRANSFER = 30_000  # ms: the default transfer timeout, so a room's default lease
@@ -63,13 +64,13 @@ TRANSFER = 30_000  # ms: the default transfer timeout, so a room's default lease
 def hello(service: PrefillService, identity: bytes = DECODE, incarnation: str = DECODE_INCARNATION, **fields) -> None:
     """A decode daemon says hello and is welcomed."""
     port = service.port
-    service.on_peer(identity, incarnation, codec.encode(decode_hello(incarnation=incarnation, **fields)))
+    service.on_peer(identity, incarnation, *wired(decode_hello(incarnation=incarnation, **fields)))
     assert port.take() == [("peer", identity, PeerWelcome(
         version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock(), stages=True))]
 
 
 def peer(service: PrefillService, message, identity: bytes = DECODE, incarnation: str = DECODE_INCARNATION) -> None:
-    service.on_peer(identity, incarnation, codec.encode(message))
+    service.on_peer(identity, incarnation, *wired(message))
 
 
 def request(room: int, pages: list[int], *, slot: int = 3, generation: int = 1, lease_ms: int = TRANSFER, writes_until: float = 0.0,
@@ -135,7 +136,7 @@ def test_a_request_before_the_send_is_accepted_waiting_and_its_writes_start_with
 
     peer(service, RoomAck(room=7))
     assert port.take() == [("engine", ENGINE, status(7, RoomState.SUCCESS, fenced=True, pages=2))]
-    assert service.outcomes["success"] == 1 and port.cancelled == []
+    assert service.book.outcomes["success"] == 1 and port.cancelled == []
 
 
 def test_a_send_before_the_request_waits_and_the_request_is_accepted_with_input_ready():
@@ -170,7 +171,7 @@ def test_an_inline_room_sends_its_aux_record_with_its_kv_at_once_and_no_other_no
     kv = bytes([1] * PAGE_BYTES + [2] * PAGE_BYTES)
     assert port.take() == [("engine", ENGINE, status(7, RoomState.TRANSFERRING, fenced=False, pages=2)),
                            ("peer", DECODE, AuxRecord(room=7, slot=3, generation=1, length=0, checksum=0, kv_pages=2, kv=kv))]
-    assert port.submitted == [] and (service.kv_inline_rooms, service.kv_inline_bytes) == (1, 2 * PAGE_BYTES)
+    assert port.submitted == [] and (service.writer.kv_inline_rooms, service.writer.kv_inline_bytes) == (1, 2 * PAGE_BYTES)
 
 
 # --- lease and leave to write
@@ -350,7 +351,7 @@ def test_a_silent_decode_daemon_is_declared_dead_after_the_heartbeat_bound_and_e
         peer(service, Heartbeat(seq=1), other, other_incarnation)
     assert port.ms == heard + 5_000  # silent for exactly the bound: not yet
     service.tick()
-    assert DECODE in service.peers
+    assert DECODE in service.state.peers
     port.take()
 
     port.advance(1)
@@ -358,12 +359,12 @@ def test_a_silent_decode_daemon_is_declared_dead_after_the_heartbeat_bound_and_e
     reason = "decode daemon host/d sent nothing for 5.0s (5 heartbeats missed)"
     # No engine joined room 7 yet: nothing can land, so it is fenced and gone at once.
     assert port.take() == [("peer", DECODE, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True))]
-    assert set(service.peers) == {other} and service.rooms.find(7) is None
+    assert set(service.state.peers) == {other} and service.rooms.find(7) is None
     assert service.rooms.get(8).state is RoomState.WAITING_FOR_INPUT
-    assert service.failures["peers_declared_dead"] == 1
+    assert service.book.failures["peers_declared_dead"] == 1
     # It says hello again: a new peer, with no rooms.
     hello(service)
-    assert service.peers[DECODE].rooms == set()
+    assert service.state.peers[DECODE].rooms == set()
 
 
 def test_silence_while_this_daemon_itself_stood_still_is_not_the_peers():
@@ -373,11 +374,11 @@ def test_silence_while_this_daemon_itself_stood_still_is_not_the_peers():
     run(service, 1_000)
     port.advance(6_000)  # frozen (SIGSTOP, swap): no tick for longer than half the bound
     service.tick()
-    assert DECODE in service.peers
+    assert DECODE in service.state.peers
     run(service, 5_000)  # its clock started again at the tick after the stall
-    assert DECODE in service.peers
+    assert DECODE in service.state.peers
     run(service, TICK)
-    assert DECODE not in service.peers
+    assert DECODE not in service.state.peers
 
 
 def test_a_restarted_decode_daemon_fails_and_fences_its_predecessors_rooms():
@@ -388,7 +389,7 @@ def test_a_restarted_decode_daemon_fails_and_fences_its_predecessors_rooms():
     hello(service)
     job = transferring(service, 7)
     successor, incarnation = b"decode-a2", "f" * 16
-    service.on_peer(successor, incarnation, codec.encode(decode_hello(incarnation=incarnation)))
+    service.on_peer(successor, incarnation, *wired(decode_hello(incarnation=incarnation)))
     reason = f"decode daemon host/d restarted (incarnation {DECODE_INCARNATION} -> {incarnation})"
     assert port.cancelled == [job]
     assert port.take() == [
@@ -396,7 +397,7 @@ def test_a_restarted_decode_daemon_fails_and_fences_its_predecessors_rooms():
         ("engine", ENGINE, status(7, RoomState.FAILED, fenced=False, code=ErrorCode.PEER_DEAD, reason=reason, pages=1)),
         ("peer", successor, PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION, session=PREFILL_SESSIONS[0], clock=port.clock(), stages=True)),
     ]
-    assert set(service.peers) == {successor}
+    assert set(service.state.peers) == {successor}
     settle(job, error="cancelled")
     assert port.take() == [
         ("peer", DECODE, RoomFailed(room=7, code=ErrorCode.PEER_DEAD, reason=reason, fenced=True)),
@@ -504,7 +505,7 @@ def test_a_hello_with_new_sessions_moves_the_listed_parts_fails_the_others_and_s
     assert ("peer", DECODE, RoomFailed(room=8, code=ErrorCode.PEER_DEAD, fenced=False, reason=(
         "decode daemon host/d no longer holds this room live (its peer_hello left it out)"))) in sent
     assert not any(isinstance(m, SessionsDrained) for _, _, m in sent)  # two jobs still in flight through the old sessions
-    assert service.rooms.get(7).state is RoomState.TRANSFERRING and service.work[7].sessions == NEW_SESSIONS
+    assert service.rooms.get(7).state is RoomState.TRANSFERRING and service.state.work[7].sessions == NEW_SESSIONS
     assert call(service, chunk(7, 4, [5, 6])) == Ok(req=10)
     assert port.submitted[-1].peer == NEW_SESSIONS  # the moved room's next writes
     settle(job8, error="cancelled")
@@ -519,7 +520,7 @@ def test_a_hello_with_new_sessions_and_nothing_in_flight_is_answered_drained_at_
     hello(service)
     peer(service, decode_hello(sessions=NEW_SESSIONS, session=NEW_SESSIONS[0]))
     assert ("peer", DECODE, SessionsDrained(sessions=DECODE_SESSIONS)) in port.take()
-    assert service.peers[DECODE].sessions == NEW_SESSIONS and not service.peers[DECODE].retiring
+    assert service.state.peers[DECODE].sessions == NEW_SESSIONS and not service.state.peers[DECODE].retiring
 
 
 def test_writes_the_pump_gave_up_on_keep_the_old_sessions_undrained():
@@ -533,12 +534,12 @@ def test_writes_the_pump_gave_up_on_keep_the_old_sessions_undrained():
     job.abandoned = True
     settle(job, error="stalled")
     assert not any(isinstance(m, SessionsDrained) for _, _, m in port.take())
-    assert service.peers[DECODE].retiring == {DECODE_SESSIONS}
+    assert service.state.peers[DECODE].retiring == {DECODE_SESSIONS}
 
 
 def test_a_hello_with_a_torn_live_leg_list_is_refused():
     service = prefill()
     port = service.port
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(decode_hello(live_legs=b"\0" * 15)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(decode_hello(live_legs=b"\0" * 15)))
     ((_, _, refused),) = port.take()
     assert isinstance(refused, PeerRefused) and "16-byte" in refused.reason

@@ -41,12 +41,14 @@ from .rig import (
     PREFILL_INCARNATION,
     PREFILL_SESSIONS,
     call,
-    codec,
+
     decode,
     decode_hello,
     grant,
     prefill,
     register,
+    wire,
+    wired,
 )
 from .test_prefill import hello
 
@@ -92,12 +94,12 @@ def test_the_ranks_expects_of_a_room_leave_as_one_request():
         (0, 0, pages_to_bytes([1, 2])), ((1 << 32) | 1, 1, pages_to_bytes([3, 4]))]
     assert all(leg.real and leg.carries_aux and leg.head_count == 0 for leg in request.legs)  # equal TP: whole pages
     # One answer for both ranks' rooms.
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomAccepted(room=7, input_ready=True, legs=(0, (1 << 32) | 1))))
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(RoomAccepted(room=7, input_ready=True, legs=(0, (1 << 32) | 1))))
     assert [service.rooms.get(room_key(7, code)).state for code in (0, 1)] == [T, T]
 
 
 def welcomed(service) -> None:
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION,
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(PeerWelcome(version=PROTOCOL_VERSION, incarnation=PREFILL_INCARNATION,
                                                                             session=PREFILL_SESSIONS[0], clock=PREFILL_CLOCK)))
 
 
@@ -155,15 +157,15 @@ def test_a_prefill_rank_writing_to_two_decode_ranks_has_a_part_for_each_behind_o
     slot = grant(service)
     call(service, Announce(req=0, room=7))
     d0, d1 = 0, 1  # leg codes: prefill rank 0 to decode rank 0, and to decode rank 1
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=7, legs=(leg(d0, 0, [5, 6]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=7, legs=(leg(d0, 0, [5, 6]),), lease_ms=30_000)))
     call(service, Send(req=10, room=7, pages=pages_to_bytes([1]), memory_version=1, first_page=0, last=False))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=7, legs=(leg(d1, 1, [8, 9]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=7, legs=(leg(d1, 1, [8, 9]),), lease_ms=30_000)))
     call(service, Send(req=10, room=7, pages=pages_to_bytes([2]), memory_version=1, first_page=1, last=True, num_tokens=8,
                        slot=slot.slot, generation=slot.generation))
     jobs = port.submitted
     dsts = sorted(int(job.blocks.dst[0]) for job in jobs)
-    base = service.peers[DECODE].lanes[0].region_bases[0]
-    other = service.peers[DECODE].lanes[1].region_bases[0]
+    base = service.state.peers[DECODE].lanes[0].region_bases[0]
+    other = service.state.peers[DECODE].lanes[1].region_bases[0]
     # Page 1 -> page 5 and page 2 -> page 6 on rank 0; the same pages -> 8, 9 on rank 1.
     assert dsts == sorted([base + 5 * PAGE_BYTES, base + 6 * PAGE_BYTES, other + 8 * PAGE_BYTES, other + 9 * PAGE_BYTES])
     for job in jobs:
@@ -171,9 +173,9 @@ def test_a_prefill_rank_writing_to_two_decode_ranks_has_a_part_for_each_behind_o
         job.on_done(job)
     statuses = [m for kind, _, m in port.take() if isinstance(m, RoomStatus)]
     assert statuses[-1].state is T and S not in [s.state for s in statuses]
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=7, leg=d0)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=7, leg=d0)))
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)] == [T]  # one part done, the other not
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=7, leg=d1)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=7, leg=d1)))
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)] == [S]
     assert service.rooms.get(fan_key(7, d1)).state is S
 
@@ -183,9 +185,9 @@ def test_a_failed_part_fails_the_prefill_ranks_whole_room():
     port = service.port
     two_lane_hello(service)
     call(service, Announce(req=0, room=8))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=8, legs=(leg(0, 0, [5]), leg(1, 1, [6])), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=8, legs=(leg(0, 0, [5]), leg(1, 1, [6])), lease_ms=30_000)))
     port.take()
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomFailed(room=8, code=ErrorCode.ABORTED, reason="client went away", leg=1)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomFailed(room=8, code=ErrorCode.ABORTED, reason="client went away", leg=1)))
     sent = port.take()
     assert service.rooms.get(8).state is F and service.rooms.get(fan_key(8, 1)).state is F
     told = [m for kind, _, m in sent if kind == "peer" and isinstance(m, RoomFailed)]
@@ -206,7 +208,7 @@ def test_a_chunk_waits_for_its_cuda_event_and_later_chunks_wait_behind_it():
     port = service.port
     hello(service)
     call(service, Announce(req=0, room=7))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=7, legs=(leg(0, 0, [5, 6]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=7, legs=(leg(0, 0, [5, 6]),), lease_ms=30_000)))
     slot = grant(service)
     call(service, Send(req=10, room=7, pages=pages_to_bytes([1]), memory_version=1, first_page=0, last=False, cuda_event=b"e" * 64))
     call(service, Send(req=10, room=7, pages=pages_to_bytes([2]), memory_version=1, first_page=1, last=True, num_tokens=8,
@@ -215,7 +217,7 @@ def test_a_chunk_waits_for_its_cuda_event_and_later_chunks_wait_behind_it():
     ((handle, done),) = port.events
     assert handle == b"e" * 64
     done("")
-    base = service.peers[DECODE].lanes[0].region_bases[0]
+    base = service.state.peers[DECODE].lanes[0].region_bases[0]
     assert sorted(int(job.blocks.dst[0]) for job in port.submitted) == [base + 5 * PAGE_BYTES, base + 6 * PAGE_BYTES]
 
 
@@ -223,7 +225,7 @@ def send_with_cuda_event(service, room_id: int):
     """A one-chunk room, requested and sent with a CUDA event; its room."""
     hello(service)
     call(service, Announce(req=0, room=room_id))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=room_id, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=room_id, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
     slot = grant(service)
     call(service, Send(req=10, room=room_id, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
                        generation=slot.generation, cuda_event=b"e" * 64))
@@ -256,11 +258,11 @@ def test_a_decode_with_another_page_size_is_refused_at_the_handshake():
     service = prefill()
     (lane,) = decode_hello().lanes
     other = replace(lane, compat=replace(lane.compat, page_size=lane.compat.page_size * 2))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(decode_hello(lanes=(other,))))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(decode_hello(lanes=(other,))))
     (refusal,) = [m for _, _, m in service.port.take() if isinstance(m, PeerRefused)]
     assert refusal.code is ErrorCode.COMPAT_MISMATCH
     assert f"page_size: prefill={lane.compat.page_size} decode={2 * lane.compat.page_size}" in refusal.reason
-    assert DECODE not in service.peers
+    assert DECODE not in service.state.peers
 
 
 def test_requests_held_for_the_prefills_clock_gather_every_ranks_legs():
@@ -287,7 +289,7 @@ def test_a_room_a_request_made_before_its_rank_registered_writes_from_that_ranks
     four = tuple(replace(lane, index=i, rank=Rank(tp=i), region_bases=(lane.region_bases[0] + (i << 32),)) for i in range(4))
     hello(service, lanes=four)
     rank1 = (1 << 32)  # prefill rank (pp 0, tp 1) in a leg code's upper half
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=13, legs=(
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=13, legs=(
         leg(rank1 | 2, 2, [5], generation=1), leg(rank1 | 3, 3, [6], generation=1)), lease_ms=30_000)))
     rank(service, b"p1", 1, 2, Role.PREFILL)
     port.take()
@@ -309,23 +311,23 @@ def test_a_fan_out_part_asked_for_after_the_first_part_succeeded_still_gets_the_
     slot = grant(service)
     call(service, Announce(req=0, room=9))
     first = replace(leg(0, 0, [5]), fan_out=2)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=9, legs=(first,), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=9, legs=(first,), lease_ms=30_000)))
     call(service, Send(req=10, room=9, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot, generation=slot.generation))
     for job in port.submitted:
         job.settled = True
         job.on_done(job)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=9, leg=0)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=9, leg=0)))
     assert service.rooms.get(9).state is S
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is T  # the other decode rank has not asked
     port.submitted.clear()
     second = replace(leg(1, 1, [8]), fan_out=2)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=9, legs=(second,), lease_ms=30_000)))
-    other = service.peers[DECODE].lanes[1].region_bases[0]
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=9, legs=(second,), lease_ms=30_000)))
+    other = service.state.peers[DECODE].lanes[1].region_bases[0]
     assert [int(job.blocks.dst[0]) for job in port.submitted] == [other + 8 * PAGE_BYTES]
     for job in port.submitted:
         job.settled = True
         job.on_done(job)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=9, leg=1)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=9, leg=1)))
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
 
 
@@ -340,15 +342,15 @@ def test_fan_out_parts_asked_for_before_the_engine_sent_report_to_it_and_go_when
     slot = grant(service)
     for code in (0, 1):
         part = replace(leg(code, code, [5 + code]), fan_out=2)
-        service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=12, legs=(part,), lease_ms=30_000)))
+        service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=12, legs=(part,), lease_ms=30_000)))
     port.take()
     call(service, Send(req=10, room=12, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
                        generation=slot.generation, release_when_settled=True))
     for job in port.submitted:
         job.settled = True
         job.on_done(job)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=12, leg=0)))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomAck(room=12, leg=1)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=12, leg=0)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomAck(room=12, leg=1)))
     assert [m.state for _, _, m in port.take() if isinstance(m, RoomStatus)][-1] is S
     assert service.rooms.find(12) is None and service.rooms.find(fan_key(12, 1)) is None
     assert service.lanes[0].aux.slots.slots[slot.slot].state.value == "free"
@@ -366,7 +368,7 @@ def test_an_incompatible_decode_rank_fails_the_room_when_it_asks_not_after_the_p
     (lane,) = decode_hello().lanes
     hello(service, lanes=(replace(lane, compat=replace(lane.compat, dtype="float16")),))
     slot = grant(service)
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=14, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=14, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
     (refused,) = [m for kind, _, m in port.take() if kind == "peer"]
     assert isinstance(refused, PeerError) and refused.code is ErrorCode.COMPAT_MISMATCH, refused
     assert "dtype" in refused.message and refused.leg == 0, refused.message
@@ -386,7 +388,7 @@ def test_whole_pages_asked_between_ranks_of_different_shares_name_the_prefill_si
     doubled = tuple((layer, kind, page_bytes * 2) for layer, kind, page_bytes in lane.compat.regions)  # twice the heads a page
     hello(service, lanes=(replace(lane, heads_local=lane.heads_local * 2, compat=replace(lane.compat, regions=doubled)),))
     call(service, Announce(req=0, room=15))
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=15, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=15, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
     (refused,) = [m for kind, _, m in port.take() if kind == "peer"]
     assert isinstance(refused, PeerError) and refused.code is ErrorCode.COMPAT_MISMATCH, refused
     assert "prefill_sizes" in refused.message, refused.message
@@ -407,7 +409,7 @@ def test_a_request_for_a_rank_two_engines_share_is_checked_against_the_engine_th
     (lane,) = decode_hello().lanes
     hello(service, lanes=(replace(lane, compat=replace(lane.compat, dtype="float16")),))
     slot = grant(service, b"p1")
-    service.on_peer(DECODE, DECODE_INCARNATION, codec.encode(RoomRequest(room=16, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
+    service.on_peer(DECODE, DECODE_INCARNATION, *wired(RoomRequest(room=16, legs=(leg(0, 0, [5]),), lease_ms=30_000)))
     assert [type(m).__name__ for kind, _, m in port.take() if kind == "peer"] == ["RoomAccepted"]
     call(service, Send(req=10, room=16, pages=pages_to_bytes([1]), memory_version=1, num_tokens=4, slot=slot.slot,
                        generation=slot.generation), b"p1")

@@ -41,9 +41,9 @@ from pdxfer.core.protocol import (
 from pdxfer.core.errors import InsufficientCapacity
 from pdxfer.core.staging import ALIGN
 from pdxfer.roles.decode import DecodeService
-from pdxfer.roles.pools import RESERVE_UNIT, Staging
+from pdxfer.roles.staging import RESERVE_UNIT, Staging
 
-from .rig import DECODE_INCARNATION, DST_PROBE, ENDPOINT, PREFILL_INCARNATION, PREFILL_SESSIONS, call, codec
+from .rig import DECODE_INCARNATION, DST_PROBE, ENDPOINT, PREFILL_INCARNATION, PREFILL_SESSIONS, call, wire
 from .port import RecordingPort
 
 # A decode rank of TP 1 holding 2 heads, head-major: from prefill TP 2 each leg is one head of every page.
@@ -70,9 +70,15 @@ class _Memory:
         self.reserved.append((offset, nbytes))
 
 
+def made_staging(size: int, backed: bool = False) -> Staging:
+    """A staging buffer of ``size`` bytes that backs its pages through _Memory.reserve (a daemon's port does it with /dev/shm)."""
+    memory = _Memory(size)
+    return Staging(memory, memory.reserve, backed)
+
+
 def staging_decode(staging_bytes: int = 16 * ALIGN) -> DecodeService:
     service = DecodeService(Config(role=Role.DECODE, host="host", name="d"), DECODE_INCARNATION, RecordingPort(),
-                            sessions=("10.0.0.2:16001",), probe_base=DST_PROBE, engine_release="", staging=Staging(_Memory(staging_bytes)))
+                            sessions=("10.0.0.2:16001",), probe_base=DST_PROBE, engine_release="", staging=made_staging(staging_bytes))
     hello = EngineHello(req=1, version=PROTOCOL_VERSION, engine_id="e", role=Role.DECODE, rank=Rank(tp=0), sizes=Rank(tp=1))
     kv = RegisterKV(req=2, buffers=(ShmHandle(name="kv", size=64 * 16),), spec=SPEC, regions=REGIONS, memory_version=1)
     aux = RegisterAux(req=3, memory=ShmHandle(name="aux", size=8 * 256), num_slots=8, slot_bytes=256)
@@ -92,7 +98,7 @@ def expect(service, room: int) -> None:
 def welcome(service, stages: bool = True, incarnation: str = PREFILL_INCARNATION) -> None:
     service.on_connection(ENDPOINT, "connected")
     message = PeerWelcome(version=PROTOCOL_VERSION, incarnation=incarnation, session=PREFILL_SESSIONS[0], clock=5_000.0, stages=stages)
-    service.on_link(ENDPOINT, incarnation, codec.encode(message))
+    service.on_link(ENDPOINT, incarnation, wire(message))
 
 
 def request(service) -> RoomRequest:
@@ -111,7 +117,7 @@ def test_legs_from_ranks_with_fewer_heads_leave_with_extents_of_the_staging_buff
     assert all(base <= leg.staged_at and leg.staged_at + LEG_BYTES <= base + size for leg in legs)
     assert len({leg.staged_at for leg in legs}) == 2
     assert service.hello(ENDPOINT).staging_base == base and service.hello(ENDPOINT).staging_bytes == size
-    assert service.staged_legs == 2
+    assert service.requester.staged_legs == 2
 
 
 def test_a_prefill_that_did_not_say_it_stages_is_asked_for_the_pages():
@@ -127,11 +133,11 @@ def test_a_leg_finding_the_buffer_full_writes_into_the_pages():
     expect(service, 7)
     welcome(service)
     assert sorted(bool(leg.staged_at) for leg in request(service).legs) == [False, True]
-    assert (service.staged_legs, service.staging_full) == (1, 1)
+    assert (service.requester.staged_legs, service.staging.full) == (1, 1)
 
 
 def test_a_leg_larger_than_the_whole_buffer_names_the_size_that_would_hold_it(caplog):
-    staging = Staging(_Memory(2 << 20))
+    staging = made_staging(2 << 20)
     assert staging.take(5 << 20) is None
     assert staging.take((5 << 20) - 1) is None  # no larger than the last one told: not said again
     assert staging.take(ALIGN) == 0  # a leg that fits still gets its extent
@@ -142,7 +148,7 @@ def test_a_leg_larger_than_the_whole_buffer_names_the_size_that_would_hold_it(ca
 
 
 def test_an_extent_is_backed_with_pages_before_it_is_handed_out_each_unit_once():
-    staging = Staging(_Memory(8 * RESERVE_UNIT))
+    staging = made_staging(8 * RESERVE_UNIT)
     assert staging.take(RESERVE_UNIT + 1) == 0  # reaches into a second unit: both backed
     assert staging.memory.reserved == [(0, 2 * RESERVE_UNIT)]
     second = staging.take(ALIGN)  # inside what is backed already: nothing asked
@@ -153,13 +159,13 @@ def test_an_extent_is_backed_with_pages_before_it_is_handed_out_each_unit_once()
 
 
 def test_a_buffer_backed_at_start_hands_out_extents_without_backing_any_again():
-    staging = Staging(_Memory(8 * RESERVE_UNIT), backed=True)  # --staging-at-start did it whole
+    staging = made_staging(8 * RESERVE_UNIT, backed=True)  # --staging-at-start did it whole
     assert [staging.take(2 * RESERVE_UNIT) for _ in range(4)] == [i * 2 * RESERVE_UNIT for i in range(4)]
     assert staging.memory.reserved == [] and staging.full == 0
 
 
 def test_an_extent_shared_memory_cannot_back_is_refused_and_said_without_flooding_the_log(caplog):
-    staging = Staging(_Memory(8 * RESERVE_UNIT))
+    staging = made_staging(8 * RESERVE_UNIT)
     staging.memory.backable = False
     assert [staging.take(ALIGN) for _ in range(5)] == [None] * 5  # the leg or chunk writes between the pages
     assert (staging.full, staging.unbacked, staging.arena.taken_bytes) == (5, 5, 0)  # nothing kept taken
@@ -177,15 +183,15 @@ def test_an_extent_is_held_after_its_room_failed_until_the_prefill_says_nothing_
     welcome(service)
     first, second = request(service).legs
     arena = service.staging.arena
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=False, leg=first.leg)))
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=False, leg=first.leg)))
     assert service.rooms.get(7).state is RoomState.FAILED
     assert len(arena) == 2  # failed, but writes of both legs may still land
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=True, leg=first.leg)))
-    assert len(arena) == 1 and (7, second.leg) in service.staged  # the other leg's prefill rank has not said so
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=True, leg=first.leg)))
+    assert len(arena) == 1 and (7, second.leg) in service.state.staged  # the other leg's prefill rank has not said so
     # Its process restarts: nothing of the old one can land any more.
     service.on_connection(ENDPOINT, "disconnected")
     welcome(service, incarnation="n" * 16)
-    assert len(arena) == 0 and service.staged == {}
+    assert len(arena) == 0 and service.state.staged == {}
 
 
 def test_an_extent_of_a_room_released_before_its_prefill_confirmed_comes_back_with_the_confirmation():
@@ -193,12 +199,12 @@ def test_an_extent_of_a_room_released_before_its_prefill_confirmed_comes_back_wi
     expect(service, 7)
     welcome(service)
     legs = request(service).legs
-    service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=False, leg=legs[0].leg)))
+    service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=False, leg=legs[0].leg)))
     assert type(call(service, Release(req=6, room=7))).__name__ == "Ok"  # the engine lets the room go unfenced
-    assert service.rooms.find(7) is None
+    assert service.rooms.find(7).released
     assert len(service.staging.arena) == 2
     for leg in legs:
-        service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=True, leg=leg.leg)))
+        service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(RoomFailed(room=7, code=ErrorCode.TRANSFER_FAILED, reason="x", fenced=True, leg=leg.leg)))
     assert len(service.staging.arena) == 0
 
 
@@ -209,7 +215,7 @@ def records(service, legs) -> None:
             message = AuxRecord(room=7, slot=leg.slot, generation=leg.generation, length=0, checksum=zlib.crc32(b""), leg=leg.leg, kv_pages=2)
         else:
             message = LegWritten(room=7, leg=leg.leg, kv_pages=2)
-        service.on_link(ENDPOINT, PREFILL_INCARNATION, codec.encode(message))
+        service.on_link(ENDPOINT, PREFILL_INCARNATION, wire(message))
 
 
 def staged_room(service):
@@ -228,7 +234,7 @@ def test_a_staged_leg_is_copied_into_its_pages_off_the_loop_and_the_room_succeed
     legs = staged_room(service)
     records(service, legs)
     assert len(service.port.copies) == 2 and service.rooms.get(7).state is not RoomState.SUCCESS
-    assert len(service.staging.arena) == 2 and service.staged == {}  # the copies own their extents while they run
+    assert len(service.staging.arena) == 2 and service.state.staged == {}  # the copies own their extents while they run
     assert service.port.run_copies() == 2
     assert service.rooms.get(7).state is RoomState.SUCCESS and len(service.staging.arena) == 0
     (kv,) = [b for b in service.port.mapped if b.handle.name == "kv"]
