@@ -84,7 +84,7 @@ ENGINES_PYTEST_ARGS ?=
 
 .PHONY: engines-env engines-lock test-engines bench-sglang bench-vllm demo-sglang clean-engines
 
-# The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
+# The real-engine tests (docs/engines.md §B7, C5). Here a test whose engine is missing
 # fails, and nothing may skip; under `make test` the same tests skip.
 test-engines: engines-env
 	REQUIRE_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""Protocol 4, step 1 of issue 27 (ENGINES.md §7.A2-A4, B6): engines register memory they
+"""Protocol 4, step 1 of issue 27 (docs/engines.md §A2-A4, B6): engines register memory they
 own as buffers and regions, a prefill announces a room and sends it in chunks, a decode
 skips the prefix it holds, and poll() answers from pushed statuses.
 

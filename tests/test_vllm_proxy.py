@@ -1,4 +1,4 @@
-"""pdxfer proxy (pdxfer.adapters.vllm.proxy, routing; ENGINES.md §7.C2) between fake vLLM
+"""pdxfer proxy (pdxfer.adapters.vllm.proxy, routing; docs/engines.md §C2) between fake vLLM
 engines: aiohttp servers that record what they are sent and answer as vLLM does. The real
 engines' acceptance test is tests/engines/test_vllm_engines.py."""
 

@@ -1,4 +1,4 @@
-"""pdxfer proxy: the router in front of disaggregated vLLM engines (ENGINES.md §7.C2).
+"""pdxfer proxy: the router in front of disaggregated vLLM engines (docs/engines.md §C2).
 
 For each OpenAI request (/v1/completions, /v1/chat/completions) it picks a room and, at
 the same time, sends the prompt to a prefill engine with max_tokens=1 and

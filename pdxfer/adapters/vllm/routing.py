@@ -1,5 +1,5 @@
 """The HTTP side of ``pdxfer proxy`` (proxy.py says what it does): an aiohttp server that
-relays each OpenAI request to a prefill and a decode vLLM engine (ENGINES.md §7.C2)."""
+relays each OpenAI request to a prefill and a decode vLLM engine (docs/engines.md §C2)."""
 
 from __future__ import annotations
 
