@@ -1,5 +1,5 @@
-"""The documents say what the code is: the README's module table names every module
-of the package and nothing else, the files its reading path sends a reader to exist, the
+"""The documents say what the code is: the module table of docs/code.md names every
+module of the package and nothing else, the files its reading path sends a reader to exist, the
 protocol's version in proto/PROTOCOL.md is the code's, the changelog beside
 PROTOCOL_VERSION has one line for every version up to it, and every page and section of
 docs/ that the code, the tests and the documents cite exists. Pure: files only."""
@@ -65,34 +65,37 @@ def covered(module: str, named: set[str]) -> bool:
     return module in named or any(entry.endswith("/") and module.startswith(entry) for entry in named)
 
 
-def test_the_readme_module_table_names_every_module_and_only_those():
-    named = module_table((ROOT / "README.md").read_text())
+CODE_MAP = ROOT / "docs" / "code.md"
+
+
+def test_the_module_table_names_every_module_and_only_those():
+    named = module_table(CODE_MAP.read_text())
     assert "tools/bench/" in named and "roles/prefill.py" in named and "loop.py" in named, sorted(named)
     missing = sorted(m for m in modules() if not covered(m, named))
-    assert not missing, f"README.md, The code: no row for {missing}"
+    assert not missing, f"docs/code.md, The code: no row for {missing}"
     gone = sorted(entry for entry in named if not (PACKAGE / entry).exists())
-    assert not gone, f"README.md, The code: {gone} are not in pdxfer/"
+    assert not gone, f"docs/code.md, The code: {gone} are not in pdxfer/"
 
 
 def test_the_module_table_reader_sees_a_module_left_out():
     """The check above could pass by reading nothing: a table without a row fails it."""
-    readme = (ROOT / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `core/stamp.py` |"))
-    named = module_table(readme.replace(row + "\n", ""))
+    code_map = CODE_MAP.read_text()
+    row = next(line for line in code_map.splitlines() if line.startswith("| `core/stamp.py` |"))
+    named = module_table(code_map.replace(row + "\n", ""))
     assert not covered("core/stamp.py", named) and covered("core/plan.py", named)
 
 
 def test_the_reading_path_names_files_that_exist():
     """Paths under pdxfer/ unless they start at the repository's root (tests/, proto/,
     examples/); adapters/ is being written (issues 28 and 29)."""
-    text = section((ROOT / "README.md").read_text(), "### Reading path")
+    text = section(CODE_MAP.read_text(), "### Reading path")
     paths = {p for p in re.findall(r"`([\w/.]+)`", text) if "/" in p or p.endswith(".py")}
     assert len(paths) > 15, paths
     def where(path: str) -> Path:
         return ROOT / path if path.split("/", 1)[0] in ("tests", "proto", "examples") else PACKAGE / path.removeprefix("pdxfer/")
 
     missing = sorted(p for p in paths - {"adapters/"} if not where(p).exists())
-    assert not missing, f"README.md, Reading path: {missing} do not exist"
+    assert not missing, f"docs/code.md, Reading path: {missing} do not exist"
 
 
 def test_protocol_md_states_the_codes_version():
