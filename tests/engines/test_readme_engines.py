@@ -69,32 +69,40 @@ def run_script(name: str, ports: tuple[int, ...], model_dir: str, workdir: str) 
             shell.wait()
     with open(log_path) as fh:
         log_text = fh.read()
-    assert shell.returncode == 0, f"examples/{name} exited {shell.returncode}\n{out}\n--- its log (tail) ---\n{log_text[-6000:]}"
+    assert shell.returncode == 0, f"examples/{name} exited {shell.returncode}\n{out[-6000:]}\n--- its log (tail) ---\n{log_text[-6000:]}"
     return out, log_text
 
 
-def answer_and_metric(out: str) -> tuple[dict, list[str]]:
+def answer_and_metric(out: str, key: str) -> tuple[dict, list[str]]:
+    """The router's answer (the JSON object with ``key``; the daemons' ready lines and the
+    servers' logs share stdout) and the metric lines the script printed."""
     lines = out.strip().splitlines()
-    answers = [json.loads(line) for line in lines if line.startswith("{")]
-    assert len(answers) == 1, out
+    objects = []
+    for line in lines:
+        try:
+            objects.append(json.loads(line))
+        except ValueError:
+            continue
+    answers = [o for o in objects if isinstance(o, dict) and key in o]
+    assert len(answers) == 1, out[-6000:]
     return answers[0], [line for line in lines if line.startswith("pdxfer_")]
 
 
 def test_the_readme_sglang_lines_answer_a_plain_engines_tokens(needs_sglang, model_dir, waves, sglang_reference, tmp_path):
     out, log = run_script("sglang-pd.sh", (18998, 9100, 9101, 30000, 30001, 8998, 8000), model_dir, str(tmp_path))
-    answer, metrics = answer_and_metric(out)
+    answer, metrics = answer_and_metric(out, "output_ids")
     first = waves[0][0]
     with open(os.path.join(REPO_ROOT, "examples", "sglang-pd.sh")) as fh:
         assert f'"input_ids": {list(first.input_ids)}' in fh.read()  # the prompt whose reference the other tests share
     assert answer["output_ids"] == sglang_reference[0][0], (answer, sglang_reference[0][0])
     assert len(answer["output_ids"]) == first.max_new_tokens
     assert metrics == [ROOM_SUCCEEDED], out
-    assert "disaggregation_transfer_backend': 'pdxfer'" in log
+    assert "disaggregation_transfer_backend': 'pdxfer'" in out + log  # the servers' arguments, as SGLang logs them
 
 
 def test_the_readme_vllm_lines_answer_a_plain_engines_tokens(needs_vllm, model_dir, waves, vllm_reference, tmp_path):
     out, _ = run_script("vllm-pd.sh", (18998, 9100, 9101, 8100, 8200, 8000), model_dir, str(tmp_path))
-    answer, metrics = answer_and_metric(out)
+    answer, metrics = answer_and_metric(out, "choices")
     first = waves[0][0]
     assert answer["choices"][0]["prompt_token_ids"] == list(first.input_ids), answer
     assert answer["choices"][0]["token_ids"] == vllm_reference[0][0]["output_ids"], (answer, vllm_reference[0][0])
