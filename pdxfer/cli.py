@@ -77,13 +77,35 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def version_text() -> str:
+    """pdxfer's version, the protocol it speaks and the transfer engine installed beside it."""
+    from . import __version__
+    from .core.protocol import PROTOCOL_VERSION
+    from .transport.mooncake import installed_engine
+
+    engine = installed_engine()
+    return f"pdxfer {__version__}, protocol {PROTOCOL_VERSION}, transfer engine {' '.join(engine) if engine else 'not installed'}"
+
+
+class VersionAction(argparse.Action):
+    """--version, worked out only when asked (argparse's own takes the text up front)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version of pdxfer, its protocol and the transfer engine, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdxfer",
         description="Transfer service for prefill/decode disaggregated LLM serving: a sidecar daemon per "
         "worker ships each request's KV cache and aux metadata from prefill to decode over Mooncake's transfer engine.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action=VersionAction)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
         "serve",
@@ -137,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `pdxfer` alone: what it can do, not an error
+        parser.print_help()
+        return 0
     return args.func(args)
 
 

@@ -1,6 +1,6 @@
 """pdxfer.adapters.shm: an engine's CPU tensors moved into shared memory in place, and
 found there again from a raw pointer, as the SGLang adapter does with SGLang's KV pool
-(ENGINES.md §5 E3, B7)."""
+(docs/engines.md §E3, B7)."""
 
 from __future__ import annotations
 

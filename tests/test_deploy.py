@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
+import json
 import os
 import posixpath
 import re
@@ -48,7 +50,8 @@ KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 DAEMON = "pdxfer"  # the daemon's container in every worker pod and node daemon
 PREPARER = "runtime-dir"  # a node daemon's init container that makes its runtime dir on the node
 PDXFER_LABEL = ("app.kubernetes.io/part-of", "pdxfer")  # what the NetworkPolicy admits, with a role
-ROLE_LABEL = "app.kubernetes.io/component"  # prefill or decode, set by the overlays
+ROLE_LABEL = "app.kubernetes.io/component"  # prefill or decode, set by the overlays; router on a router's pods
+ROUTER = "router"
 # The one role whose pods may open each of a worker's pdxfer ports: a prefill's transfer
 # engine dials a decode's (RPC handshake and TCP data), a decode daemon dials a
 # prefill's bootstrap port. No pdxfer pod dials a prefill's transfer engine.
@@ -149,14 +152,37 @@ class Worker:
         return daemon_config(self)
 
 
+LWS_KIND, LWS_API = "LeaderWorkerSet", "leaderworkerset.x-k8s.io/v1"
+LWS_SET, LWS_INDEX = "leaderworkerset.sigs.k8s.io/name", "leaderworkerset.sigs.k8s.io/worker-index"  # set on each pod by LWS
+
+
+def lws_templates(doc: dict) -> dict[str, dict]:
+    """A LeaderWorkerSet's pod templates: its leaders' (the workers' when it has none of its own) and its workers'."""
+    spec = doc["spec"]["leaderWorkerTemplate"]
+    return {"leader": spec.get("leaderTemplate") or spec["workerTemplate"], "worker": spec["workerTemplate"]}
+
+
+def workloads(docs) -> list[dict]:
+    """Every workload with one pod template: a LeaderWorkerSet once per template, named
+    NAME/leader and NAME/worker, its template's labels with those the LWS controller adds."""
+    out = []
+    for doc in docs:
+        if doc["kind"] == LWS_KIND:
+            for part, template in lws_templates(doc).items():
+                labels = {**template["metadata"].get("labels", {}), LWS_SET: doc["metadata"]["name"], LWS_INDEX: "0" if part == "leader" else "1"}
+                template = {**template, "metadata": {**template["metadata"], "labels": labels}}
+                out.append({**doc, "metadata": {**doc["metadata"], "name": f"{doc['metadata']['name']}/{part}"}, "spec": {"template": template}})
+        elif doc["kind"] in WORKLOADS:
+            out.append(doc)
+    return out
+
+
 def workers(docs) -> list[Worker]:
     """The workloads that run a daemon: workers (the daemon a native sidecar beside the
     engine) and node daemons (a DaemonSet running the daemon alone). A workload with no
     daemon is an engine that must reach a node daemon (node_engines)."""
     found = []
-    for doc in docs:
-        if doc["kind"] not in WORKLOADS:
-            continue
+    for doc in workloads(docs):
         worker = Worker(doc)
         sidecars = [c["name"] for c in worker.pod.get("initContainers", [])]
         plain = [c["name"] for c in worker.pod["containers"]]
@@ -176,14 +202,18 @@ def workers(docs) -> list[Worker]:
 def node_engines(docs) -> list[Worker]:
     """Workloads running engines without a daemon of their own: each must reach a node
     daemon (test_engines_reach_their_node_daemon), so a worker that lost its sidecar
-    fails there."""
+    fails there. Routers (test_routers_reach_every_server) are not engines."""
     found = []
-    for doc in docs:
-        if doc["kind"] in WORKLOADS - {"DaemonSet"}:
+    for doc in workloads(docs):
+        if doc["kind"] != "DaemonSet":
             engine = Worker(doc)
-            if DAEMON not in [c["name"] for c in engine.containers]:
+            if DAEMON not in [c["name"] for c in engine.containers] and engine.labels.get(ROLE_LABEL) != ROUTER:
                 found.append(engine)
     return found
+
+
+def routers(docs) -> list[Worker]:
+    return [Worker(doc) for doc in workloads(docs) if Worker(doc).labels.get(ROLE_LABEL) == ROUTER]
 
 
 def env_of(container: dict) -> dict[str, str | None]:
@@ -352,7 +382,7 @@ def worker(overlay, name) -> Worker:
 
 
 def test_every_overlay_is_tested():
-    assert {"prefill", "decode", "rdma", "demo-cpu", "per-node-prefill", "per-node-decode", "per-node-rdma"} <= set(OVERLAYS)
+    assert {"prefill", "decode", "rdma", "demo-cpu", "per-node-prefill", "per-node-decode", "per-node-rdma", *SERVER_OVERLAYS} <= set(OVERLAYS)
     assert NODES and ENGINES, "the per-node overlays run node daemons and engines"
 
 
@@ -360,6 +390,11 @@ def schema_errors(docs) -> list[str]:
     """What the Kubernetes schemas (strict, oldest and newest version) say of each object."""
     errors = []
     for doc in docs:
+        if doc["kind"] == LWS_KIND:  # a custom resource, whose schema is the LWS controller's: its pod templates are Kubernetes'
+            errors += [f"LeaderWorkerSet {doc['metadata']['name']}: apiVersion {doc['apiVersion']}"] if doc["apiVersion"] != LWS_API else []
+            errors += schema_errors([{"apiVersion": "v1", "kind": "Pod", "metadata": {**t["metadata"], "name": f"{doc['metadata']['name']}-{part}"},
+                                      "spec": t["spec"]} for part, t in lws_templates(doc).items()])
+            continue
         for version in KUBERNETES_VERSIONS:
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
@@ -867,12 +902,153 @@ def test_prometheus_component_scrapes_every_daemon_and_may_reach_it(tmp_path):
         assert all(admitted(rule.get("ports"), worker.containers) == {port} for rule in rules), "Prometheus may reach only the http port"
 
 
+# --- real engine servers and their routers (overlays sglang, vllm)
+
+SERVER_OVERLAYS = ("sglang", "vllm", "sglang-lws")
+SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where SGLang's router reads a prefill pod's registry port
+
+
+def expanded(container: dict) -> list[str]:
+    """A container's command line with $(VAR) filled in from its environment, as the kubelet does."""
+    env = env_of(container)
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1)) or m.group(0), word)
+            for word in [*container.get("command", []), *container.get("args", [])]]
+
+
+def flag(words: list[str], name: str) -> str | None:
+    return words[words.index(name) + 1] if name in words else None
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_engine_servers_run_pdxfer_in_their_role(overlay):
+    """Each worker's engine is a real server of its worker's role, with pdxfer's backend
+    (SGLang) or connector (vLLM), in an image that holds pdxfer (not the placeholder)."""
+    found = set()
+    for worker in workers(build(f"overlays/{overlay}")):
+        role = worker.config().role.value
+        (engine,) = worker.engines
+        words = expanded(engine)
+        assert engine["image"].split(":")[0] != "engine", f"{worker}: the placeholder engine image"
+        if "sglang.launch_server" in words:
+            found.add("sglang")
+            assert flag(words, "--disaggregation-mode") == role and flag(words, "--disaggregation-transfer-backend") == "pdxfer", words
+            assert flag(words, "--port") == str(container_port(engine, "engine-http")), words
+            if role == "prefill":
+                registry = flag(words, "--disaggregation-bootstrap-port") or "8998"
+                assert worker.doc["spec"]["template"]["metadata"].get("annotations", {}).get(SGLANG_BOOTSTRAP_ANNOTATION) == registry
+                assert registry != str(worker.config().bootstrap_port), "SGLang's registry and pdxfer's bootstrap port are two ports"
+        else:
+            assert words[:2] == ["vllm", "serve"], f"{worker}: neither SGLang nor vLLM: {words}"
+            found.add("vllm")
+            kv = json.loads(flag(words, "--kv-transfer-config"))
+            assert kv["kv_connector"] == "PdxferConnector" and kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role], kv
+            assert flag(words, "--port") == str(container_port(engine, "engine-http")), words
+            if role == "prefill":  # a sequential proxy hands the decode this address, as the prefill answers it
+                assert kv["kv_connector_extra_config"]["bootstrap"] == f"{POD_IP}:{worker.config().bootstrap_port}", kv
+    assert found == {overlay.split("-")[0]}
+
+
+def serving(docs, namespace: str, role: str) -> list[Worker]:
+    """The pods that serve HTTP for a role: every worker's, but only a server group's leaders."""
+    return [w for w in workers(docs) if w.namespace == namespace and w.config().role.value == role and w.labels.get(LWS_INDEX, "0") == "0"]
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_routers_reach_every_server(overlay):
+    """The router finds every prefill and decode pod however many replicas run: SGLang's by
+    label selectors and each prefill pod's annotation (allowed to list pods), pdxfer
+    proxy through Services, routing sequentially so that each prefill answers with its
+    own daemon's address. A Service exposes the router, and its readiness is the
+    servers' (/readiness; /health)."""
+    docs = build(f"overlays/{overlay}")
+    (router,) = routers(docs)
+    (container,) = router.pod["containers"]
+    words = expanded(container)
+    ns = router.namespace
+    services = of_kind(docs, "Service", ns)
+    assert any(selects(svc["spec"].get("selector"), router.labels) for svc in services), f"no Service exposes {router}"
+    ready = container["readinessProbe"]["httpGet"]
+    assert container_port(container, ready["port"]) == int(flag(words, "--port"))
+    if "sglang_router.launch_router" in words:
+        assert "--pd-disaggregation" in words and "--service-discovery" in words and ready["path"] == "/readiness", words
+        for role in ("prefill", "decode"):
+            at = words.index(f"--{role}-selector") + 1
+            selector = dict(word.split("=", 1) for word in itertools.takewhile(lambda w: not w.startswith("--"), words[at:]))
+            pods = serving(docs, ns, role)
+            assert pods and all(selects(selector, w.labels) for w in pods), (role, selector)
+            others = [w for w in workers(docs) if w.config().role.value != role or w not in pods]  # the other role, a group's non-leaders
+            assert not any(selects(selector, w.labels) for w in others), (role, selector)
+            assert all(str(container_port(w.engines[0], "engine-http")) == flag(words, "--service-discovery-port") for w in pods)
+        account = router.pod["serviceAccountName"]
+        bound = [b["roleRef"]["name"] for b in of_kind(docs, "RoleBinding", ns)
+                 if {"kind": "ServiceAccount", "name": account} in [{k: v for k, v in sub.items() if k in ("kind", "name")} for sub in b["subjects"]]]
+        rules = [rule for r in of_kind(docs, "Role", ns) if r["metadata"]["name"] in bound for rule in r["rules"]]
+        assert any("pods" in rule["resources"] and {"list", "watch"} <= set(rule["verbs"]) for rule in rules), rules
+        namespace = [e for e in container["env"] if e["name"] == "NAMESPACE"]
+        assert flag(words, "--service-discovery-namespace") == "$(NAMESPACE)" and namespace[0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    else:
+        assert words[:2] == ["pdxfer", "proxy"] and ready["path"] == "/health", words
+        from pdxfer.cli import build_parser
+
+        args = build_parser().parse_args(words[1:])
+        assert args.sequential and not args.bootstrap, "behind a Service, each prefill must name its own daemon: --sequential"
+        for role, urls in (("prefill", args.prefill), ("decode", args.decode)):
+            for url in urls:
+                host, port = re.fullmatch(r"http://([\w-]+):(\d+)", url).groups()
+                (svc,) = [svc for svc in services if svc["metadata"]["name"] == host]
+                (entry,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+                pods = serving(docs, ns, role)
+                assert pods and all(selects(svc["spec"]["selector"], w.labels) for w in pods), (role, svc)
+                assert all(container_port(w.engines[0], entry["targetPort"]) == container_port(w.engines[0], "engine-http") for w in pods)
+    for worker in workers(docs):  # the router may reach every server's HTTP port
+        port = container_port(worker.engines[0], "engine-http")
+        policies = [p for p in of_kind(docs, "NetworkPolicy", ns) if selects(p["spec"].get("podSelector"), worker.labels)]
+        assert any(port in admitted(rule.get("ports"), worker.containers) and any(selects(peer.get("podSelector"), router.labels) for peer in rule.get("from", []))
+                   for p in policies for rule in p["spec"].get("ingress", [])), f"{router} may not reach {worker}'s port {port}"
+
+
+def test_sglang_decode_servers_may_reach_the_prefills_registry():
+    docs = build("overlays/sglang")
+    (decode,) = serving(docs, "default", "decode")
+    for prefill in serving(docs, "default", "prefill"):
+        registry = int(flag(expanded(prefill.engines[0]), "--disaggregation-bootstrap-port") or 8998)
+        rules = [rule for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"].get("podSelector"), prefill.labels) for rule in p["spec"]["ingress"]]
+        assert any(registry in admitted(rule.get("ports"), prefill.containers) and any(selects(peer.get("podSelector"), decode.labels) for peer in rule.get("from", []))
+                   for rule in rules), f"decode servers cannot ask {prefill}'s registry (port {registry})"
+
+
+def test_a_server_spanning_nodes_starts_each_node_with_its_rank_and_lets_the_group_meet():
+    """overlays/sglang-lws: each pod of a LeaderWorkerSet group is one node's ranks (TP
+    over the group = GPUs a pod x pods), started with the group's size, its own index and
+    the leader's address, which the group's pods may reach; only the leader serves HTTP."""
+    docs = build("overlays/sglang-lws")
+    sets = of_kind(docs, LWS_KIND)
+    assert {d["metadata"]["labels"][ROLE_LABEL] for d in sets} == {"prefill", "decode"}
+    assert [d["metadata"]["name"] for d in of_kind(docs, "Deployment")] == ["sglang-router"], "the worker Deployments were only the templates' source"
+    for lws in sets:
+        size = lws["spec"]["leaderWorkerTemplate"]["size"]
+        assert size >= 2
+        for part, template in lws_templates(lws).items():
+            (engine,) = template["spec"]["containers"]
+            words = expanded(engine)
+            gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
+            assert int(flag(words, "--tp-size")) == gpus * size, (part, words)
+            assert {"--nnodes=$(LWS_GROUP_SIZE)", "--node-rank=$(LWS_WORKER_INDEX)"} <= set(words), words
+            (rendezvous,) = [w for w in words if w.startswith("--dist-init-addr=$(LWS_LEADER_ADDRESS):")]
+            port = int(rendezvous.rsplit(":", 1)[1])
+            assert ("readinessProbe" in engine) == (part == "leader"), f"{part}: only the leader serves HTTP"
+            pod = {**template["metadata"].get("labels", {}), LWS_SET: lws["metadata"]["name"]}
+            rules = [r for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"].get("podSelector"), pod) for r in p["spec"]["ingress"]]
+            assert any(port in admitted(r.get("ports"), template["spec"]["containers"]) and any(selects(peer.get("podSelector"), pod) for peer in r["from"])
+                       for r in rules), f"{lws['metadata']['name']}: the group's pods cannot reach the leader's rendezvous port {port}"
+
+
 # --- the image
 
 
-def dockerfile() -> list[tuple[str, str]]:
+def dockerfile(name: str = "Dockerfile") -> list[tuple[str, str]]:
     """(INSTRUCTION, rest) pairs, comments dropped and continuation lines joined."""
-    lines = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    lines = [line for line in (DEPLOY / name).read_text().splitlines() if not line.lstrip().startswith("#")]
     text = re.sub(r"\\\n", " ", "\n".join(lines))
     pairs = [line.split(None, 1) for line in text.splitlines() if line.strip()]
     return [(word.upper(), rest.strip()) for word, rest in pairs]
@@ -919,3 +1095,31 @@ def test_dockerfile_builds_a_slim_non_root_pdxfer_image():
             for source in rest.split()[:-1]:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
                 assert Path(source).parts[0] not in ignored, f"COPY {source}: excluded by .dockerignore"
+
+
+def test_the_engine_image_is_the_engines_own_with_pdxfer_from_this_checkout():
+    """deploy/engine.Dockerfile: FROM the image an operator names, pdxfer installed into the
+    engine's own Python (the SGLang plugin and the vLLM connector load in the engine's
+    processes), its entry points checked at build time; no transfer engine and no torch
+    of ours (the engine brings its own); run as the daemon's UID (1000), as the manifests
+    that use it (overlays sglang and vllm) run it."""
+    steps = dockerfile("engine.Dockerfile")
+    assert steps[0] == ("ARG", "ENGINE_IMAGE") and steps[1] == ("FROM", "${ENGINE_IMAGE}"), steps[:2]
+    copies = [rest.split() for i, rest in steps if i == "COPY"]
+    assert {"pyproject.toml", "pdxfer/"} <= {source for words in copies for source in words[:-1]}
+    for words in copies:
+        assert all((ROOT / source).exists() for source in words[:-1]), words
+    runs = " ".join(rest for i, rest in steps if i == "RUN")
+    installs = re.findall(r"pip install ([^;&]+)", runs)
+    assert installs == ["/opt/pdxfer/src $PACKAGES"], installs  # no extras: neither mooncake nor torch
+    assert "'sglang.srt.plugins', 'vllm.general_plugins'" in runs
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert {"sglang.srt.plugins", "vllm.general_plugins"} <= set(groups) and all("pdxfer" in groups[g] for g in ("sglang.srt.plugins", "vllm.general_plugins"))
+    assert [rest for i, rest in steps if i == "USER"] == ["1000:1000"]
+    env = " ".join(rest for i, rest in steps if i == "ENV")
+    assert "HF_HOME=/models" in env and "HOME=/tmp" in env
+    for overlay in SERVER_OVERLAYS:
+        for worker in workers(build(f"overlays/{overlay}")):
+            assert effective(worker.pod, worker.engines[0], "runAsUser") == 1000
+            assert mount_for(worker.engines[0], "/models") is not None, f"{worker}: no volume for the model cache (HF_HOME)"
+

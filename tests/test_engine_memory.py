@@ -1,4 +1,4 @@
-"""Protocol 4, step 1 of issue 27 (ENGINES.md §7.A2-A4, B6): engines register memory they
+"""Protocol 4, step 1 of issue 27 (docs/engines.md §A2-A4, B6): engines register memory they
 own as buffers and regions, a prefill announces a room and sends it in chunks, a decode
 skips the prefix it holds, and poll() answers from pushed statuses.
 
@@ -397,8 +397,10 @@ def test_a_daemon_serves_every_rank_of_an_engine_each_in_a_lane_of_its_own(engin
             client.close()
         again = Client(prefill_daemon.engine, timeout=10, engine_id="eng", rank=Rank(tp=1), sizes=Rank(tp=2))
         again.connect()  # a rank it serves, from another connection (a restarted engine): welcome, in its lane
-        with pytest.raises(errors.StaleMemoryVersion):  # which holds the first registration of these buffers
-            again.register_kv(kvs[1].buffers, kvs[1].spec, kvs[1].regions, memory_version=1)
+        # Which holds the first registration of these buffers: a new Client starts at
+        # version 1 and must pass one above it, as the refusal and the README say.
+        with pytest.raises(errors.StaleMemoryVersion, match=r"needs a memory version above 1, got 1 \(a new Client .* pass memory_version=2 or above\)"):
+            again.register_kv(kvs[1].buffers, kvs[1].spec, kvs[1].regions)
         assert again.register_kv(kvs[1].buffers, kvs[1].spec, kvs[1].regions, memory_version=2) == 2
         again.close()
         assert lane_slots(prefill_daemon) == after

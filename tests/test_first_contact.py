@@ -134,7 +134,7 @@ def test_an_unresolvable_host_is_refused_before_the_transfer_engine_starts(runti
     assert "--host nope.invalid does not resolve" in line, line
 
 
-def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path, runtime_dir):
+def test_a_daemon_without_a_transfer_engine_says_which_wheel_to_install(tmp_path, runtime_dir):
     (tmp_path / "sitecustomize.py").write_text(
         "import sys\n"
         "class HideMooncake:\n"
@@ -146,9 +146,55 @@ def test_a_daemon_without_a_transfer_engine_says_which_extra_to_install(tmp_path
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     out = serve("decode", runtime_dir, env=env)
     # The CUDA build imports only where a driver and libcudart are (as the Makefile judges it).
-    extra = "mooncake" if shutil.which("nvidia-smi") and ctypes.util.find_library("cudart") else "mooncake-cpu"
-    assert f"pip install 'pdxfer[{extra}]'" in out.stderr, out.stderr
+    wheel = "mooncake-transfer-engine" if cuda_host() else "mooncake-transfer-engine-non-cuda"
+    assert f"pip install {wheel} (" in out.stderr, out.stderr
     refusal(out)
+
+
+def cuda_host() -> bool:
+    return bool(shutil.which("nvidia-smi") and ctypes.util.find_library("cudart"))
+
+
+@pytest.mark.skipif(cuda_host(), reason="this host has CUDA: the CUDA build of the transfer engine is the one it needs")
+def test_the_cuda_build_of_the_transfer_engine_on_a_host_without_cuda_is_refused_naming_the_cpu_build(tmp_path, runtime_dir):
+    """`pip install -e '.[mooncake]'` on a CPU host: the daemon used to start and its
+    transfer engine's process to die at import with a 19-line traceback. The CUDA
+    wheel's metadata on the path stands in for it (installed_engine looks for it first)."""
+    dist = tmp_path / "mooncake_transfer_engine-0.3.13.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mooncake-transfer-engine\nVersion: 0.3.13\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    line = refusal(serve("decode", runtime_dir, env=env))
+    assert "the CUDA build (mooncake-transfer-engine 0.3.13)" in line, line
+    assert "fix: pip uninstall -y mooncake-transfer-engine && pip install mooncake-transfer-engine-non-cuda" in line, line
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_host_of_every_address_is_refused_since_peers_are_told_it(runtime_dir, host):
+    """--host 0.0.0.0 used to start and advertise 0.0.0.0:PORT to peers and routers as
+    its bootstrap and transfer-engine address, which reaches nobody."""
+    line = refusal(serve("prefill", runtime_dir, "--host", host, "--bootstrap-port", "0"))
+    assert f"--host {host} is every address of this machine" in line and "status.podIP" in line, line
+
+
+def test_admin_writes_on_a_tcp_admin_endpoint_without_a_cluster_secret_is_refused(tmp_path, runtime_dir):
+    """Anyone who reaches a TCP admin port could fail rooms and drain peers: refused,
+    naming the ways out; with the secret (or read-only, or on the ipc socket) it starts."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    line = refusal(serve("decode", runtime_dir, "--admin-endpoint", endpoint, "--admin-writes"))
+    assert f"--admin-writes on --admin-endpoint {endpoint} without --cluster-secret-file" in line, line
+    assert "fix: give --cluster-secret-file" in line and "--secret-file" in line, line
+    (tmp_path / "secret").write_text("s" * 32 + "\n")
+    daemon = start_daemon("decode", runtime_dir, "--admin-endpoint", endpoint, "--admin-writes",
+                          "--cluster-secret-file", str(tmp_path / "secret"), stderr=subprocess.DEVNULL)
+    assert daemon.stop() == 0
+
+
+def test_a_runtime_dir_on_a_filesystem_that_refuses_it_is_one_line():
+    """/sys passes the permission bits as root and refuses the mkdir itself: that used
+    to end in a PermissionError traceback."""
+    line = refusal(serve("decode", "/sys/pdxfer", env={"GLOG_minloglevel": "0"}))
+    assert "/sys/pdxfer" in line and "--runtime-dir" in line, line  # as another user than root: not writable by it
 
 
 @pytest.mark.parametrize("secrets,reason,logged", [
@@ -199,9 +245,12 @@ def readme_block(language: str, containing: str) -> str:
     return found[0]
 
 
-def test_the_readme_shows_the_engine_example_file_in_full():
-    with open(os.path.join(ROOT, "examples", "engine.py")) as fh:
-        assert readme_block("python", "from pdxfer import Client") == fh.read()
+def test_the_readme_links_the_engine_example_and_pastes_none_of_it():
+    """The README links the file a reader runs, rather than a copy that can drift."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    assert "[`examples/engine.py`](examples/engine.py)" in readme
+    assert "from pdxfer import Client" not in readme and "def rank_heads" not in readme
 
 
 def load_example():

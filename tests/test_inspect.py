@@ -688,3 +688,6 @@ def test_doctor_checks_fail_with_a_fix(tmp_path):
         assert checks.check_port("http port", "--http-port", "127.0.0.1", port, {}).status == "FAIL"
         assert checks.check_port("http port", "--http-port", "127.0.0.1", port, {port: "x"}).status == "OK"
     assert checks.check_port("http port", "--http-port", "192.0.2.77", 8000, {}).status == "FAIL"
+    every = checks.check_host("0.0.0.0")  # advertised to peers as the daemon's address, it reaches nobody
+    assert every.status == "FAIL" and "every address" in every.detail and "status.podIP" in every.fix, every
+    assert checks.check_host("127.0.0.1").status == "OK"

@@ -110,14 +110,17 @@ def tmux(socket: str, *args: str) -> str:
     return out.stdout
 
 
-def test_top_fits_an_80x24_terminal_and_quits_on_q(scene, tmp_path):
+@pytest.mark.parametrize("stale", ["", "COLUMNS=200 LINES=50 "], ids=["fresh", "stale-columns-and-lines"])
+def test_top_fits_an_80x24_terminal_and_quits_on_q(scene, tmp_path, stale):
     """pdxfer top in a real terminal (tmux, 80x24): the whole screen fits, header
-    on top; q quits at once (well before --iterations would end it)."""
+    on top; q quits at once (well before --iterations would end it). Also where the
+    shell holds $COLUMNS and $LINES of another size (a tmux or screen pane after a
+    resize): top asks the terminal."""
     if shutil.which("tmux") is None:
         pytest.fail("tmux is not installed: apt-get install -y tmux")
     socket = str(tmp_path / "tmux.sock")
     exited = tmp_path / "exited"
-    command = (f"cd {os.getcwd()} && PYTHONPATH={os.environ.get('PYTHONPATH', '')} {sys.executable} -m pdxfer top "
+    command = (f"cd {os.getcwd()} && {stale}PYTHONPATH={os.environ.get('PYTHONPATH', '')} {sys.executable} -m pdxfer top "
                f"--runtime-dir {scene.runtime_dir} --name decode --interval 0.3 --iterations 1000; "
                f"echo $? > {exited}; sleep 60")
     tmux(socket, "new-session", "-d", "-s", "top", "-x", "80", "-y", "24", command)

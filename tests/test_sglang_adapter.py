@@ -2,7 +2,7 @@
 with SGLang's real shapes: the KVArgs a 2-layer Llama with 2 KV heads of 64 gives its
 manager (tests/engines/model.py; the values a real engine dumped, tests/engines), and a
 room between two live daemons driven through the links exactly as the backend's classes
-drive them (ENGINES.md B3, B5, B6). The engines themselves are tests/engines'."""
+drive them (docs/engines.md §B3, B5, B6). The engines themselves are tests/engines'."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A4/A6/A7/A8: the legs of a room, computed on the decode side (pdxfer/core/topology.py).
 
 The exhaustive tables compare every leg with an expected table built here from the
-formulas in ENGINES.md §7.A6 (unique-head index, "(u*hD) mod hP", "(u_p*hP) mod hD"),
+formulas in docs/engines.md §A6 (unique-head index, "(u*hD) mod hP", "(u_p*hP) mod hD"),
 which the module does not use (it intersects global head ranges), and check the
 invariants a transfer relies on. Literal cases written out by hand follow."""
 

@@ -1,5 +1,5 @@
-"""kv_transfer_params of disaggregated vLLM requests (pdxfer.adapters.vllm.params, ENGINES.md
-§7.C2): what each side reads, what the prefill answers, what is refused. No vLLM needed."""
+"""kv_transfer_params of disaggregated vLLM requests (pdxfer.adapters.vllm.params, docs/engines.md
+§C2): what each side reads, what the prefill answers, what is refused. No vLLM needed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pdxfer proxy (pdxfer.adapters.vllm.proxy, routing; ENGINES.md §7.C2) between fake vLLM
+"""pdxfer proxy (pdxfer.adapters.vllm.proxy, routing; docs/engines.md §C2) between fake vLLM
 engines: aiohttp servers that record what they are sent and answer as vLLM does. The real
 engines' acceptance test is tests/engines/test_vllm_engines.py."""
 
@@ -34,11 +34,15 @@ class FakeEngine:
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._handle)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
         return self
+
+    async def _health(self, request: web.Request):
+        return web.Response(status=200)
 
     async def _models(self, request: web.Request):
         return web.json_response({"data": [{"id": "tiny"}]})
@@ -237,6 +241,24 @@ async def test_c2_refusals_the_proxy_makes_itself(proxied):
         async with session.get(url + "/v1/models") as response:
             assert (await response.json())["data"][0]["id"] == "tiny"
     assert prefill.bodies == decode.bodies == []
+
+
+async def test_health_is_200_only_while_a_prefill_and_a_decode_engine_answer_theirs(proxied):
+    """A router's readiness: it used to answer 200 with both engines down."""
+    url, prefill, decode = await proxied(completion, completion)
+
+    async def health() -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
+            return response.status, await response.json()
+
+    assert await health() == (200, {"prefills": {prefill.url: "ok"}, "decodes": {decode.url: "ok"}, "sequential": False})
+    await decode.runner.cleanup()
+    status, answer = await health()
+    assert status == 503 and answer["prefills"] == {prefill.url: "ok"}, answer
+    assert answer["decodes"][decode.url].startswith("unreachable: "), answer
+    await prefill.runner.cleanup()
+    status, answer = await health()
+    assert status == 503 and answer["prefills"][prefill.url].startswith("unreachable: "), answer
 
 
 def test_c2_pdxfer_proxy_serves_after_its_ready_line_and_checks_its_flags():

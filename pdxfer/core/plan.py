@@ -345,7 +345,7 @@ def region_views(pool: np.ndarray, regions: Sequence[Region], num_pages: int) ->
     return [pool[r.offset : r.offset + num_pages * r.page_bytes].reshape(num_pages, r.page_bytes) for r in regions]
 
 
-# --- one leg of a room between ranks whose TP sizes may differ (ENGINES.md §7.A6)
+# --- one leg of a room between ranks whose TP sizes may differ (docs/engines.md §A6)
 
 
 def _region_name(r: KVRegion) -> str:

@@ -547,7 +547,7 @@ class PeerRefused(Message, tag="peer_refused"):
 
 
 class LegRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One leg of a room request (ENGINES.md §7.A4): what one prefill rank writes into
+    """One leg of a room request (docs/engines.md §A4): what one prefill rank writes into
     one decode rank's pages. A dummy leg (``real`` false) moves nothing: it lets the
     prefill rank's status complete. ``head_count`` 0 and ``layers`` (0, 0) mean whole
     pages and every layer (equal TP and PP)."""

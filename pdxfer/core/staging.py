@@ -1,4 +1,4 @@
-"""Staging a head slice (ENGINES.md §7.A6).
+"""Staging a head slice (docs/engines.md §A6).
 
 Between ranks of different TP, one side of a leg holds every head of its rank's pages
 and the other a slice of each page: the decode side when the prefill TP is the larger,

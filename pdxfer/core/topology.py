@@ -1,12 +1,12 @@
 """Which prefill ranks a decode rank reads from, and what each one sends (issue 27 item 3).
 
-A room is made of legs (ENGINES.md §7.A4): one leg per (prefill rank, decode rank) pair
+A room is made of legs (docs/engines.md §A4): one leg per (prefill rank, decode rank) pair
 that takes part, real (it moves KV bytes) or dummy (it moves nothing, so the prefill
 rank's status still completes). Legs are computed on the decode side by the pure
 functions here; nothing in this module does I/O.
 
-What it reproduces, paraphrasing ENGINES.md §3 (SGLang 0.5.23's rank mapping) and
-§7.A6-A8:
+What it reproduces, paraphrasing docs/engines.md §G3 (SGLang 0.5.23's rank mapping) and
+§A6-A8:
 
 - Equal TP: decode rank d pairs with prefill rank d.
 - Decode TP D > prefill TP P (fan-out): d reads from prefill rank d // (D/P); that

@@ -37,11 +37,24 @@ def ipc_paths(cfg: Config) -> list[tuple[str, str]]:
     return [(flag, address[len("ipc://") :]) for flag, address in endpoints if address.startswith("ipc://")]
 
 
+def check_admin_writes(cfg: Config) -> Check:
+    """Operator actions (fail a room, drain or cut a peer) over TCP need the cluster
+    secret: without it the admin API takes them from anyone who reaches the port, where
+    the default ipc socket lies in an owner-only directory."""
+    if not (cfg.admin_writes and cfg.admin_address.startswith("tcp://") and not cfg.cluster_secret_file):
+        return Check("admin endpoint", "OK", f"{cfg.admin_address}, {'writes allowed' if cfg.admin_writes else 'read-only'}")
+    return Check("admin endpoint", "FAIL",
+                 f"--admin-writes on --admin-endpoint {cfg.admin_address} without --cluster-secret-file: anyone who reaches that port "
+                 "could fail rooms and drain or cut peers",
+                 "give --cluster-secret-file (operators then pass the same file with --secret-file), or leave --admin-endpoint at its "
+                 "default ipc:// socket, or drop --admin-writes")
+
+
 def host_checks(cfg: Config, engine_needed: bool) -> list[Check]:
     """Everything about this host and configuration, before the name is taken."""
     s = settings(cfg)
     found = [hostchecks.check_engine_installed()] if engine_needed else []
-    found += [hostchecks.check_host(cfg.host), hostchecks.check_runtime_dir(s)]
+    found += [hostchecks.check_host(cfg.host), hostchecks.check_runtime_dir(s), check_admin_writes(cfg)]
     for flag, path in ipc_paths(cfg):
         if os.path.dirname(path) != cfg.socket_dir.rstrip("/"):
             found.append(hostchecks.check_socket_dir("socket dir", flag, os.path.dirname(path) or ".", path))
@@ -71,7 +84,10 @@ class NameLock:
         self._fd = -1
 
     def acquire(self, instance: str) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # a directory on a read-only filesystem, say
+            raise Unsupported(f"cannot create {self.path}: {exc.strerror}; fix: choose a --runtime-dir on a writable filesystem") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -114,7 +130,11 @@ def prepare(cfg: Config, engine_needed: bool = True) -> NameLock:
     directory owner-only when it is missing; take the daemon's name. The caller
     releases the lock once its sockets are gone."""
     refuse_failed(host_checks(cfg, engine_needed))
-    os.makedirs(cfg.socket_dir, mode=0o700, exist_ok=True)
+    try:  # the checks above judge by permission bits; a read-only or special filesystem (/sys) says no only here
+        os.makedirs(cfg.socket_dir, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise Unsupported(f"cannot create the runtime directory {cfg.socket_dir}: {exc.strerror}; "
+                          "fix: choose a --runtime-dir on a writable filesystem (or unset it: $XDG_RUNTIME_DIR/pdxfer, else /tmp/pdxfer-UID)") from None
     lock = NameLock(os.path.join(cfg.socket_dir, f"{cfg.instance}.lock"))
     lock.acquire(cfg.instance)
     try:

@@ -21,6 +21,7 @@ from .hostchecks import (
     check_cpu_yield,
     check_engine_env,
     check_gpu,
+    check_host,
     check_libraries,
     check_npu,
     check_port,
@@ -183,6 +184,7 @@ def run_checks(args) -> tuple[Settings, list[Check]]:
         check_cpu_yield(s),
         check_shm(s.pool_bytes),
         check_runtime_dir(s),
+        check_host(s.host),
         check_port("bootstrap port", "--bootstrap-port", s.host, s.bootstrap_port, live) if s.role != "decode"
         else Check("bootstrap port", "SKIP", "decode daemons open no bootstrap port"),
         check_port("http port", "--http-port", s.host, s.http_port, live),

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import glob
+import ipaddress
 import json
 import os
 import shutil
@@ -107,24 +108,37 @@ def cuda_host() -> bool:
 
 
 def engine_install_command() -> str:
-    """The command that installs the transfer engine build this host can import."""
-    return "pip install 'pdxfer[mooncake]'" if cuda_host() else "pip install 'pdxfer[mooncake-cpu]'"
+    """The command that installs the transfer engine build this host can import: the
+    wheel itself, which any environment can install (pdxfer's extras mooncake and
+    mooncake-cpu carry only it, and pdxfer installs from its checkout, not from a
+    package index)."""
+    from ..transport.mooncake import ENGINE_WHEELS
+
+    cuda, cpu = ENGINE_WHEELS
+    return f"pip install {cuda if cuda_host() else cpu}"
 
 
 def check_engine_installed() -> Check:
-    """Is the transfer engine there at all (without importing it: a daemon imports it
-    later, where its child process may run it)?"""
+    """Is the transfer engine there at all, and a build this host can import (without
+    importing it: a daemon imports it later, where its child process may run it)?"""
     import importlib.util
+
+    from ..transport.mooncake import ENGINE_WHEELS, installed_engine
 
     try:
         found = importlib.util.find_spec("mooncake") is not None
     except ImportError:
         found = False
-    if found:
-        return Check("transfer engine", "OK", "the mooncake package is installed")
     where = "this host has CUDA" if cuda_host() else "this host has no CUDA (no nvidia-smi or libcudart)"
-    return Check("transfer engine", "FAIL", f"the Mooncake transfer engine is not installed for {sys.executable}",
-                 f"{engine_install_command()} ({where}); pdxfer alone installs no transfer engine")
+    if not found:
+        return Check("transfer engine", "FAIL", f"the Mooncake transfer engine is not installed for {sys.executable}",
+                     f"{engine_install_command()} ({where}); pdxfer alone installs no transfer engine")
+    wheel = installed_engine()
+    if wheel is not None and wheel[0] == ENGINE_WHEELS[0] and not cuda_host():  # the CUDA build
+        return Check("transfer engine", "FAIL", f"the transfer engine installed is the CUDA build ({' '.join(wheel)}), which does not "
+                     "import on a host without CUDA, and this one has no nvidia-smi or libcudart",
+                     f"pip uninstall -y {wheel[0]} && {engine_install_command()}")
+    return Check("transfer engine", "OK", "the mooncake package is installed")
 
 
 def rdma_devices() -> dict[str, list[str]]:
@@ -304,13 +318,19 @@ def check_socket_dir(what: str, flag: str, path: str, longest: str) -> Check:
 
 
 def check_host(host: str) -> Check:
-    """--host must resolve to an address of this machine (the daemon binds it)."""
+    """--host must resolve to one address of this machine: the daemon binds it, and tells
+    peers and routers to reach it there (so 0.0.0.0, every address, reaches nobody)."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         return Check("host", "FAIL", f"--host {host} does not resolve: {exc.strerror}",
                      "give --host an address of this host (ip -brief address) or a name that resolves to one")
     family, _, _, _, address = infos[0]
+    if ipaddress.ip_address(address[0]).is_unspecified:
+        return Check("host", "FAIL", f"--host {host} is every address of this machine, not one a peer can reach: the daemon "
+                     "advertises --host to peers and routers as its bootstrap and transfer-engine address",
+                     "give the address peers reach this host at (ip -brief address; in Kubernetes the pod's IP, "
+                     "PDXFER_HOST from status.podIP); the daemon binds only that address")
     with socket.socket(family) as sock:
         try:
             sock.bind((address[0], 0))

@@ -132,6 +132,15 @@ def snapshot(info: InfoReply, rooms: list[RoomInfo], peers: list[PeerInfo], rate
     }
 
 
+def terminal_size() -> os.terminal_size:
+    """The terminal's own size (TIOCGWINSZ on stdout), not $COLUMNS and $LINES first as
+    shutil's: a shell inside tmux or screen often holds them from another window size."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno())
+    except OSError:  # no size to ask for (a terminal that reports none)
+        return shutil.get_terminal_size()
+
+
 def run_top(args, admin: AdminClient) -> int:
     iterations = 1 if args.once else args.iterations
     redraw = sys.stdout.isatty() and not args.json
@@ -155,7 +164,7 @@ def run_top(args, admin: AdminClient) -> int:
             if args.json:
                 print(json.dumps(snapshot(info, rooms, peers, rate, over)), flush=True)
             elif redraw:
-                size = shutil.get_terminal_size()
+                size = terminal_size()
                 # No newline after the last line: on the bottom row it would scroll the header away.
                 sys.stdout.write(CLEAR + "\n".join(fit(*parts(info, rooms, peers, rate, over), size.columns, size.lines)))
                 sys.stdout.flush()

@@ -322,7 +322,8 @@ class Lanes:
         same = old is not None and old.handles == msg.buffers and all(h in kept for h in msg.buffers)
         if same and msg.memory_version <= old.version:
             raise errors.StaleMemoryVersion(
-                f"re-registering the same KV buffers needs a memory version above {old.version}, got {msg.memory_version}"
+                f"re-registering the same KV buffers needs a memory version above {old.version}, got {msg.memory_version} "
+                f"(a new Client of a restarted rank registering its predecessor's memory: pass memory_version={old.version + 1} or above)"
             )
         mappings = await self._map_all(msg.buffers, kept)
         for handle, mapping in (old.mappings.items() if old is not None else ()):

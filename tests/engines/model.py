@@ -5,7 +5,7 @@ refuses head_dim 16) and a 1,024-token vocabulary, with random weights written a
 safetensors file (7 MB). No tokenizer: engines start with
 ``skip_tokenizer_init=True`` and requests carry token ids.
 
-Why not ``load_format="dummy"`` (ENGINES.md §5 E3/E4): both engines fill every
+Why not ``load_format="dummy"`` (docs/engines.md §E3, E4): both engines fill every
 weight from one fixed seed by element count, layer norms included, uniform in
 ±1e-3. The residual stream is then the current token's embedding and nothing else,
 so the next token depends on the last token only (measured: prompts of 1, 11, 51
@@ -91,3 +91,13 @@ def write_model_dir(path: str, seed: int = 0, **changes) -> str:
         json.dump(config, f, indent=2)
     save_file(weights(seed, config), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+if __name__ == "__main__":
+    # `python -m tests.engines.model DIR`: the model directory the README's SGLang and vLLM
+    # lines load on CPU (in the engine environment, which has numpy and safetensors).
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.engines.model DIR")
+    print(write_model_dir(sys.argv[1]))

@@ -5,7 +5,7 @@ A backend test compares `generate_pd`'s tokens with `generate_single`'s for the 
 `Request` waves; ``backend="mooncake"`` is SGLang's own path and the baseline
 (test_sglang_baseline.py), a pdxfer test passes ``backend="pdxfer"`` and its plugin.
 
-Settings are ENGINES.md §5 E4's: CPU, ``torch_native`` attention, float32, pages of
+Settings are docs/engines.md §E4's: CPU, ``torch_native`` attention, float32, pages of
 16 tokens, seed 0, no tokenizer (requests carry ids), except the weights: every
 engine loads the same random safetensors file (`model.py` says why not dummy
 weights). The KV pool is held to 16,384 tokens: left to itself SGLang sizes it from

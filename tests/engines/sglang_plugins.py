@@ -5,7 +5,7 @@ patched on disk.
 
 - ``mooncake_cpu``: SGLang's Mooncake sender takes page indices as pinned host
   tensors plus a ``torch.cuda.Event`` when it says ``supports_host_tensor_indices``;
-  on CPU that path fails, so the sender says it does not (ENGINES.md §5, E4).
+  on CPU that path fails, so the sender says it does not (docs/engines.md §E4).
 - ``kvargs_dump``: with ``PDXFER_TEST_KVARGS_DIR`` set, every KV manager writes the
   ``KVArgs`` it was built with to ``<dir>/<role>-<engine_rank>.json``: what a
   transfer backend is handed at start.

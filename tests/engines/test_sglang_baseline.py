@@ -1,4 +1,4 @@
-"""SGLang's own prefill/decode path on CPU, the baseline of ENGINES.md §7.B7: a prefill
+"""SGLang's own prefill/decode path on CPU, the baseline of docs/engines.md §B7: a prefill
 engine and a decode engine (separate processes) moving KV over SGLang's Mooncake
 backend (TCP) must generate exactly the tokens of one plain engine. A pdxfer backend
 test runs the same `sglang_pd.generate_pd` with ``backend="pdxfer"`` and compares

@@ -1,4 +1,4 @@
-"""pdxfer as SGLang's transfer backend, on real engines (issue 28, ENGINES.md B7): a
+"""pdxfer as SGLang's transfer backend, on real engines (issue 28, docs/engines.md §B7): a
 prefill ``sgl.Engine`` and a decode ``sgl.Engine`` in processes of their own, each beside
 a pdxfer daemon, against one plain engine given the same prompts; and the same script
 over SGLang's own Mooncake backend, so a failure here is pdxfer's, not the harness's.
@@ -426,7 +426,7 @@ def test_b7_tp_servers_of_different_sizes_match_single_engine(prefill_tp, decode
     """A server of two TP ranks (each one of the model's two KV heads, gloo between
     them) and a server of one, through one pdxfer daemon per side serving every rank.
     TP2 -> TP1: the decode daemon gathers each room from both prefill ranks, each
-    writing its head into every token of the decode's pages (fan-in, ENGINES.md §3);
+    writing its head into every token of the decode's pages (fan-in, docs/engines.md §G3);
     TP1 -> TP2: the prefill rank writes each decode rank its head (fan-out). The same
     waves as the TP1 pair, token for token against the plain TP1 engine."""
     sizes = {"prefill": prefill_tp, "decode": decode_tp}

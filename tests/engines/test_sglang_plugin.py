@@ -1,4 +1,4 @@
-"""E1 as a test (ENGINES.md §5, B1): SGLang 0.5.23 loads pdxfer through the entry
+"""E1 as a test (docs/engines.md §E1, B1): SGLang 0.5.23 loads pdxfer through the entry
 point pyproject.toml declares, and then knows the backend everywhere it looks one up,
 without a byte of SGLang patched. Each check runs in a fresh interpreter, as SGLang's
 own processes do: plugins load once per process and hook modules for good."""

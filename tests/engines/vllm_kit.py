@@ -1,5 +1,5 @@
-"""vLLM without an engine for PdxferConnector's scheduler tests (ENGINES.md §4 last
-bullet, §5 E2): vLLM's real ``Scheduler`` over the tiny model's config and a fake
+"""vLLM without an engine for PdxferConnector's scheduler tests (docs/engines.md §V1
+and E2): vLLM's real ``Scheduler`` over the tiny model's config and a fake
 one-head KV spec, requests, and a stand-in for the model runner's output. Imports
 vLLM: tests reach it through the ``kit`` fixture, after ``needs_vllm``."""
 

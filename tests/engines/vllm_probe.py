@@ -1,6 +1,6 @@
 """A vLLM KV connector that moves nothing and records what the worker hands it,
 loaded the way an out-of-tree connector is (``kv_connector_module_path``,
-ENGINES.md §4, C1): ``register_kv_caches``'s tensors as plain values
+docs/engines.md §V1, C1): ``register_kv_caches``'s tensors as plain values
 (`kv_cache_record`). Engines run in-process here (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 so the worker reads `RECORD` after start-up."""
 

@@ -1,6 +1,6 @@
 """pdxfer's SGLang transfer backend: the manager, sender, receiver and bootstrap server
-SGLang's schedulers create for ``--disaggregation-transfer-backend pdxfer`` (ENGINES.md
-§2, B2, B3).
+SGLang's schedulers create for ``--disaggregation-transfer-backend pdxfer`` (docs/engines.md
+§G2, B2, B3).
 
 They subclass SGLang's ``Common*`` classes, so the schedulers' reach into those keeps
 working: the HTTP ``/route`` registry, rank mapping, DP-rank queries, ``/health``

@@ -1,5 +1,5 @@
 """SGLang's description of a rank's KV cache (``KVArgs``) as a pdxfer registration:
-buffers, regions and the spec of their pages (ENGINES.md A2, A3, B3). Pure: the caller
+buffers, regions and the spec of their pages (docs/engines.md §A2, A3, B3). Pure: the caller
 says where each pointer lies (``locate``).
 
 SGLang lists one buffer per layer and kind, token-major (NHD: a page is page_size tokens

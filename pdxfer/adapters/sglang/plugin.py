@@ -1,5 +1,5 @@
 """SGLang's entry into pdxfer: ``register`` runs in every SGLang process, through the
-``sglang.srt.plugins`` entry point, before SGLang reads its arguments (ENGINES.md §1, B1).
+``sglang.srt.plugins`` entry point, before SGLang reads its arguments (docs/engines.md §G1, B1).
 
 It does nothing but register hooks with SGLang's own plugin registry, which applies them
 once every plugin has run and re-points every module that imported a hooked name:

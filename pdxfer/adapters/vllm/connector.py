@@ -1,4 +1,4 @@
-"""PdxferConnector: vLLM's KV connector interface over pdxfer (ENGINES.md §7.C), a thin
+"""PdxferConnector: vLLM's KV connector interface over pdxfer (docs/engines.md §C1-C5), a thin
 facade over the scheduler half (scheduler.py) and the worker half (worker.py).
 
     --kv-transfer-config '{"kv_connector": "PdxferConnector",

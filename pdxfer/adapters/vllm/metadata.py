@@ -1,4 +1,4 @@
-"""What the scheduler half hands the worker half each step (ENGINES.md §7.C3): plain
+"""What the scheduler half hands the worker half each step (docs/engines.md §C3): plain
 dataclasses, pickled to every worker with the scheduler's output."""
 
 from __future__ import annotations

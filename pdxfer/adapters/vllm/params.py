@@ -1,4 +1,4 @@
-"""The ``kv_transfer_params`` of a disaggregated vLLM request (ENGINES.md §7.C2).
+"""The ``kv_transfer_params`` of a disaggregated vLLM request (docs/engines.md §C2).
 
 The proxy picks a room and sends the same prompt to both engines at once:
 

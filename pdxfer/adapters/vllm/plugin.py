@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point (ENGINES.md §7.C1): with pdxfer installed,
+"""The ``vllm.general_plugins`` entry point (docs/engines.md §C1): with pdxfer installed,
 ``--kv-transfer-config '{"kv_connector": "PdxferConnector", ...}'`` works without
 ``kv_connector_module_path``. vLLM calls ``register`` in each of its processes, perhaps
 more than once; it registers a name and imports nothing more (the connector loads when

@@ -1,4 +1,4 @@
-"""pdxfer proxy: the router in front of disaggregated vLLM engines (ENGINES.md §7.C2).
+"""pdxfer proxy: the router in front of disaggregated vLLM engines (docs/engines.md §C2).
 
 For each OpenAI request (/v1/completions, /v1/chat/completions) it picks a room and, at
 the same time, sends the prompt to a prefill engine with max_tokens=1 and
@@ -16,7 +16,8 @@ the refusal, rather than waiting for the daemons' timeouts.
 decode with the params the prefill answered (its connector picks the room).
 
 Engines are taken in turn (round robin). /v1/models comes from a decode engine; /health
-answers for the proxy itself. Prints one JSON 'ready' line on stdout once it serves.
+answers 200 while some prefill and some decode engine answer theirs, else 503, naming
+each engine's state. Prints one JSON 'ready' line on stdout once it serves.
 """
 
 from __future__ import annotations

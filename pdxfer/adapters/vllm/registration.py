@@ -1,4 +1,4 @@
-"""vLLM's KV cache as pdxfer regions (ENGINES.md §7.A2, A3, C4).
+"""vLLM's KV cache as pdxfer regions (docs/engines.md §A2, A3, C4).
 
 With the head-major layout the connector asks for (LBHNC), each attention layer's cache
 is a view ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V for each token) into

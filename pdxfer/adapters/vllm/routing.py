@@ -1,5 +1,5 @@
 """The HTTP side of ``pdxfer proxy`` (proxy.py says what it does): an aiohttp server that
-relays each OpenAI request to a prefill and a decode vLLM engine (ENGINES.md §7.C2)."""
+relays each OpenAI request to a prefill and a decode vLLM engine (docs/engines.md §C2)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ CONNECT_TIMEOUT = 10.0
 # connections are dropped well before.
 KEEPALIVE = 3.0
 MAX_BODY = 64 * 1024 * 1024  # prompts of token ids can be large
+HEALTH_TIMEOUT = 5.0  # an engine's /health answers at once unless it is stuck, which counts as down
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,22 @@ class Proxy:
             await self._session.close()
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"prefills": [p.url for p in self.prefills], "decodes": self.decodes, "sequential": self.sequential})
+        """200 while a request can be served: some prefill and some decode engine answer
+        their own /health; else 503. Either way, what each engine answered."""
+        urls = [p.url for p in self.prefills] + self.decodes
+        found = dict(zip(urls, await asyncio.gather(*(self._engine_health(url) for url in urls))))
+        prefills = {p.url: found[p.url] for p in self.prefills}
+        decodes = {url: found[url] for url in self.decodes}
+        serving = "ok" in prefills.values() and "ok" in decodes.values()
+        return web.json_response({"prefills": prefills, "decodes": decodes, "sequential": self.sequential}, status=200 if serving else 503)
+
+    async def _engine_health(self, url: str) -> str:
+        """"ok", or why an engine's /health says it cannot serve."""
+        try:
+            async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)) as upstream:
+                return "ok" if upstream.status == 200 else f"/health answered {upstream.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"unreachable: {exc or type(exc).__name__}"
 
     async def _models(self, request: web.Request) -> web.Response:
         url = next(self._next_decode) + "/v1/models"

@@ -1,4 +1,4 @@
-"""The scheduler half of PdxferConnector (ENGINES.md §7.C3).
+"""The scheduler half of PdxferConnector (docs/engines.md §C3).
 
 Decode: a request whose params name a prefill loads every prompt token after its local
 prefix-cache hit, asynchronously; its blocks for those tokens, and only those, go to the

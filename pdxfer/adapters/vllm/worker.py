@@ -1,4 +1,4 @@
-"""The worker half of PdxferConnector (ENGINES.md §7.C4): in the process that owns the KV
+"""The worker half of PdxferConnector (docs/engines.md §C4): in the process that owns the KV
 cache, the only part that talks to the pdxfer daemon. An engine of several TP ranks has
 one per rank, each naming its rank to the node's daemon, which works out the legs
 between the prefill's ranks and the decode's (core/topology.py).

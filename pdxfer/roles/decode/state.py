@@ -58,7 +58,7 @@ class PrefillLink:
 
 @dataclass(eq=False)
 class LegState:
-    """One leg of a decode rank's room (ENGINES.md §7.A4): one prefill rank's part."""
+    """One leg of a decode rank's room (docs/engines.md §A4): one prefill rank's part."""
 
     request: LegRequest
     landed: bool = False  # its KV (and, for the leg that carries it, the aux record) verified; a dummy leg at once
