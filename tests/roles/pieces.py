@@ -10,25 +10,38 @@ slots of SLOT_BYTES.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
 from pdxfer.core.config import Config
-from pdxfer.core.plan import pool_bytes
+from pdxfer.core.generations import Span
+from pdxfer.core.plan import pages_to_bytes, pool_bytes
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     EngineHello,
+    LegRequest,
     Rank,
     RegisterAux,
     RegisterKV,
     Role,
+    RoomState,
     RoomStatus,
     ShmHandle,
 )
-from pdxfer.core.rooms import Room
-from pdxfer.core.topology import room_of
+from pdxfer.core.rooms import Event, Room
+from pdxfer.core.topology import room_key, room_of
 from pdxfer.roles.book import RoomBook
+from pdxfer.roles.decode.requester import Requester
+from pdxfer.roles.decode.rotation import SessionRotation
+from pdxfer.roles.decode.state import DecodeState, DecodeWork, LegState, PrefillLink
+from pdxfer.roles.decode.verifier import Verifier
 from pdxfer.roles.lanes import Lane, Lanes, Replaced
 
 from .port import RecordingPort
-from .rig import LAYOUT, REGIONS, SLOT_BYTES, SLOTS, SPEC, done
+from .rig import DECODE_SESSIONS, ENDPOINT, ENGINE, LAYOUT, REGIONS, SLOT_BYTES, SLOTS, SPEC, done
 
 
 def config(role: Role, **options) -> Config:
@@ -48,9 +61,9 @@ def never_replaced(lane: Lane, replaced: Replaced) -> None:
     raise AssertionError(f"a first registration replaced something: {replaced}")
 
 
-def register(lanes: Lanes, lane: Lane, spec=SPEC) -> Lane:
+def register(lanes: Lanes, lane: Lane, spec=SPEC, regions=REGIONS) -> Lane:
     """What an engine rank does first: its KV pool and aux buffer, named after the lane."""
-    done(lanes.register_kv(lane, kv_registration(f"kv-{lane.index}", spec=spec), never_replaced))
+    done(lanes.register_kv(lane, kv_registration(f"kv-{lane.index}", spec=spec, regions=regions), never_replaced))
     done(lanes.register_aux(lane, aux_registration(f"aux-{lane.index}"), never_replaced))
     return lane
 
@@ -60,16 +73,16 @@ def engine(tp: int) -> bytes:
     return b"engine-%d" % tp
 
 
-def registered_lanes(config: Config, port: RecordingPort, ranks: int = 1, spec=SPEC) -> Lanes:
+def registered_lanes(config: Config, port: RecordingPort, ranks: int = 1, spec=SPEC, regions=REGIONS) -> Lanes:
     """Lanes with ``ranks`` TP ranks of one engine registered (one: an unnamed engine
     that never said hello, as rig.py's; more: engine "e", each rank connected as engine(tp))."""
     lanes = Lanes(config, config.role, port)
     if ranks == 1:
-        register(lanes, lanes.of(engine(0)), spec)
+        register(lanes, lanes.of(engine(0)), spec, regions)
         return lanes
     for tp in range(ranks):
         hello = EngineHello(req=1, version=PROTOCOL_VERSION, engine_id="e", role=config.role, rank=Rank(tp=tp), sizes=Rank(tp=ranks))
-        register(lanes, lanes.hello(engine(tp), hello), spec)
+        register(lanes, lanes.hello(engine(tp), hello), spec, regions)
     return lanes
 
 
@@ -107,13 +120,81 @@ class BookParts:
         return calls
 
 
-def made_book(role: Role = Role.DECODE, slot_fence: float = float("inf"), ranks: int = 1, parts: BookParts | None = None,
-              **options) -> RoomBook:
+def made_book(role: Role = Role.DECODE, slot_fence: float = math.inf, ranks: int = 1, parts: BookParts | None = None,
+              spec=SPEC, regions=REGIONS, **options) -> RoomBook:
     """A room book over registered lanes, with a recording port and BookParts (book.parts);
     ``options`` are Config fields."""
     port = RecordingPort()
     cfg = config(role, **options)
     parts = parts or BookParts()
-    book = RoomBook(cfg, port, registered_lanes(cfg, port, ranks), parts, slot_fence=slot_fence)
+    book = RoomBook(cfg, port, registered_lanes(cfg, port, ranks, spec, regions), parts, slot_fence=slot_fence)
     parts.book = book
     return book
+
+
+# --- the decode role's parts
+
+
+@dataclass(eq=False)
+class DecodeParts:
+    """The decode role's parts, made as DecodeService.__init__ makes them (no staging
+    buffer), over a book whose role is BookParts; ``hellos`` counts the hellos the
+    rotation asked the role to send every prefill."""
+
+    book: RoomBook
+    state: DecodeState
+    requester: Requester
+    verifier: Verifier
+    sessions: SessionRotation
+    hellos: list[float]
+
+    @property
+    def port(self) -> RecordingPort:
+        return self.book.port
+
+    @property
+    def lanes(self) -> Lanes:
+        return self.book.lanes
+
+
+def decode_parts(ranks: int = 1, spec=SPEC, regions=REGIONS, sessions=DECODE_SESSIONS, **options) -> DecodeParts:
+    book = made_book(Role.DECODE, ranks=ranks, spec=spec, regions=regions, **options)
+    cfg, port, state, hellos = book.config, book.port, DecodeState(), []
+    requester = Requester(cfg, port, book.lanes, book, state, None)
+    verifier = Verifier(cfg, port, book.lanes, book, state, requester, None)
+    rotation = SessionRotation(cfg, port, book, state, sessions, lambda: hellos.append(port.clock()))
+    return DecodeParts(book, state, requester, verifier, rotation, hellos)
+
+
+def leg(code: int = 0, lane: int = 0, pages=(5, 6), aux: bool = True, **fields) -> LegRequest:
+    """A leg of a decode rank's room; ``aux``: it carries the room's aux record (decode_room
+    fills in the room's slot)."""
+    return LegRequest(leg=code, lane=lane, pages=pages_to_bytes(list(pages)), generation=1 if aux else 0, memory_version=1, **fields)
+
+
+def decode_room(parts: DecodeParts, room_id: int, legs: list[LegRequest] | None = None, lane: int = 0, endpoint: str = ENDPOINT,
+                pages=(5, 6), to: RoomState = RoomState.TRANSFERRING, span: Span = Span(1, 1)) -> Room:
+    """A decode rank's room as the service makes it on expect(): in the book with an aux
+    slot bound (the leg that carries the aux record names it), its work and legs in the
+    shared state, its real legs its writers, on the link to ``endpoint`` (made if new);
+    moved on to ``to``. Its engine is ENGINE."""
+    book, now = parts.book, parts.port.clock()
+    grant = parts.lanes[lane].aux.slots.allocate(now)
+    legs = [msgspec.structs.replace(one, slot=grant.index, generation=grant.generation) if one.carries_aux else one
+            for one in (legs or [leg(lane=lane, pages=pages)])]
+    room = book.create(room_key(room_id, parts.lanes[lane].code), Role.DECODE, lane, peer=endpoint)
+    book.bind_slot(room, grant.index, grant.generation)
+    book.parts.engines[room.id] = ENGINE
+    parts.state.work[room.id] = DecodeWork(ENGINE, endpoint, 1, np.array(pages, np.int32),
+                                           {one.leg: LegState(one, landed=not one.real) for one in legs}, span=span)
+    room.writers.update(one.leg for one in legs if one.real)
+    link = parts.state.links.get(endpoint)
+    if link is None:
+        link = parts.state.links[endpoint] = PrefillLink(endpoint, last_heard=now, last_word=now, ready=True, connected=True)
+    link.rooms.add(room.id)
+    if to is not RoomState.BOOTSTRAPPING:
+        book.advance(room, Event.BOOTSTRAPPED)
+    if to is RoomState.TRANSFERRING:
+        book.advance(room, Event.INPUT_READY)
+    parts.port.take()
+    return room
