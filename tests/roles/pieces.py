@@ -18,7 +18,7 @@ import numpy as np
 
 from pdxfer.core.config import Config
 from pdxfer.core.generations import Span
-from pdxfer.core.plan import pages_to_bytes, pool_bytes
+from pdxfer.core.plan import pages_from_bytes, pages_to_bytes, pool_bytes
 from pdxfer.core.protocol import (
     PROTOCOL_VERSION,
     EngineHello,
@@ -39,9 +39,12 @@ from pdxfer.roles.decode.rotation import SessionRotation
 from pdxfer.roles.decode.state import DecodeState, DecodeWork, LegState, PrefillLink
 from pdxfer.roles.decode.verifier import Verifier
 from pdxfer.roles.lanes import Lane, Lanes, Replaced
+from pdxfer.roles.prefill.parts import RoomParts
+from pdxfer.roles.prefill.state import Chunk, DecodePeer, PrefillState, PrefillWork
+from pdxfer.roles.prefill.writer import Writer
 
 from .port import RecordingPort
-from .rig import DECODE_SESSIONS, ENDPOINT, ENGINE, LAYOUT, REGIONS, SLOT_BYTES, SLOTS, SPEC, done
+from .rig import DECODE, DECODE_SESSIONS, ENDPOINT, ENGINE, LAYOUT, REGIONS, SLOT_BYTES, SLOTS, SPEC, decode_hello, done
 
 
 def config(role: Role, **options) -> Config:
@@ -198,3 +201,75 @@ def decode_room(parts: DecodeParts, room_id: int, legs: list[LegRequest] | None 
         book.advance(room, Event.INPUT_READY)
     parts.port.take()
     return room
+
+
+# --- the prefill role's parts
+
+
+@dataclass(eq=False)
+class PrefillParts:
+    """The prefill role's parts, made as PrefillService.__init__ makes them (no staging
+    buffer), over a book whose role is BookParts; the decode daemon DECODE said
+    rig.decode_hello() (its pools at rig.DST_KV and rig.DST_AUX)."""
+
+    book: RoomBook
+    state: PrefillState
+    parts: RoomParts
+    writer: Writer
+
+    @property
+    def port(self) -> RecordingPort:
+        return self.book.port
+
+    @property
+    def lanes(self) -> Lanes:
+        return self.book.lanes
+
+    @property
+    def peer(self) -> DecodePeer:
+        return self.state.peers[DECODE]
+
+
+def prefill_parts(hello_fields: dict | None = None, **options) -> PrefillParts:
+    cfg = config(Role.PREFILL, **options)
+    book = made_book(Role.PREFILL, slot_fence=cfg.fence_timeout, **options)
+    state = PrefillState()
+    state.peers[DECODE] = DecodePeer(DECODE, decode_hello(**(hello_fields or {})), last_heard=book.port.clock())
+    parts = RoomParts(book, state)
+    return PrefillParts(book, state, parts, Writer(book.config, book.port, book.lanes, book, state, parts, None))
+
+
+def chunk(first_page: int, pages, last: bool = True, aux_bytes: int = 0, tokens_per_page: int = LAYOUT.page_size) -> Chunk:
+    """A chunk of a room's input as the engine hands it over (its last: ``tokens_per_page`` for every position so far)."""
+    pages = np.array(list(pages), np.int32)
+    return Chunk(first_page, pages, last, (first_page + pages.size) * tokens_per_page if last else 0, aux_bytes, False)
+
+
+def prefill_room(parts: PrefillParts, room_id: int, dst=(5, 6), request: LegRequest | None = None, lease_ms: int = 30_000,
+                 key: int | None = None) -> tuple[Room, PrefillWork]:
+    """A prefill rank's room part whose decode request came (``request``: by default one
+    leg of whole pages into ``dst``, carrying the aux record into the decode's slot 3;
+    its pages are the destination) and whose engine bound an aux slot: bootstrapped, no
+    input yet. Its engine is ENGINE."""
+    book, now = parts.book, parts.port.clock()
+    request = request or LegRequest(pages=pages_to_bytes(list(dst)), slot=3, generation=1, memory_version=1)
+    room = book.create(key if key is not None else room_id, Role.PREFILL, 0, peer=DECODE_SESSIONS[0])
+    grant = parts.lanes[0].aux.slots.allocate(now)
+    book.bind_slot(room, grant.index, grant.generation)
+    book.parts.engines[room.id] = ENGINE
+    w = parts.state.work[room.id] = PrefillWork(engine=ENGINE, memory_version=1, peer=DECODE, sessions=DECODE_SESSIONS, request=request,
+                                                lease_ms=lease_ms, dst_pages=pages_from_bytes(request.pages).copy(), aux_slot=grant.index)
+    parts.peer.rooms.add(room.id)
+    book.advance(room, Event.BOOTSTRAPPED)
+    parts.port.take()
+    return room, w
+
+
+def hand_over(parts: PrefillParts, room: Room, w: PrefillWork, piece: Chunk) -> None:
+    """The engine hands ``piece`` over, as the service does: written at once once the room
+    started, else it moves the room on (to transferring: the request is in)."""
+    w.take(room, piece)
+    if w.started:
+        parts.writer.write_chunks(room, w)
+    else:
+        parts.book.advance(room, Event.INPUT_READY)
