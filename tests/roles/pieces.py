@@ -246,19 +246,24 @@ def chunk(first_page: int, pages, last: bool = True, aux_bytes: int = 0, tokens_
 
 
 def prefill_room(parts: PrefillParts, room_id: int, dst=(5, 6), request: LegRequest | None = None, lease_ms: int = 30_000,
-                 key: int | None = None) -> tuple[Room, PrefillWork]:
+                 key: int | None = None, bind: bool = True) -> tuple[Room, PrefillWork]:
     """A prefill rank's room part whose decode request came (``request``: by default one
     leg of whole pages into ``dst``, carrying the aux record into the decode's slot 3;
     its pages are the destination) and whose engine bound an aux slot: bootstrapped, no
-    input yet. Its engine is ENGINE."""
+    input yet. Its engine is ENGINE. ``key``: its key in the room table (default: the room
+    id); ``bind``: false for a fan-out part, which reads its first part's slot."""
     book, now = parts.book, parts.port.clock()
     request = request or LegRequest(pages=pages_to_bytes(list(dst)), slot=3, generation=1, memory_version=1)
     room = book.create(key if key is not None else room_id, Role.PREFILL, 0, peer=DECODE_SESSIONS[0])
-    grant = parts.lanes[0].aux.slots.allocate(now)
-    book.bind_slot(room, grant.index, grant.generation)
+    slot = -1
+    if bind:
+        grant = parts.lanes[0].aux.slots.allocate(now)
+        book.bind_slot(room, grant.index, grant.generation)
+        slot = grant.index
     book.parts.engines[room.id] = ENGINE
-    w = parts.state.work[room.id] = PrefillWork(engine=ENGINE, memory_version=1, peer=DECODE, sessions=DECODE_SESSIONS, request=request,
-                                                lease_ms=lease_ms, dst_pages=pages_from_bytes(request.pages).copy(), aux_slot=grant.index)
+    w = parts.state.work[room.id] = PrefillWork(engine=ENGINE if bind else b"", memory_version=1, peer=DECODE, sessions=DECODE_SESSIONS,
+                                                request=request, lease_ms=lease_ms, dst_pages=pages_from_bytes(request.pages).copy(),
+                                                aux_slot=slot)
     parts.peer.rooms.add(room.id)
     book.advance(room, Event.BOOTSTRAPPED)
     parts.port.take()
