@@ -72,7 +72,7 @@ def register(lanes: Lanes, lane: Lane, spec=SPEC, regions=REGIONS) -> Lane:
 
 
 def engine(tp: int) -> bytes:
-    """The engine connection of TP rank ``tp`` (several_ranks)."""
+    """The engine connection of TP rank ``tp`` (registered_lanes)."""
     return b"engine-%d" % tp
 
 
