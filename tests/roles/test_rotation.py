@@ -8,8 +8,6 @@ records the sessions asked for and ended, and the test answers as the daemon wou
 
 from __future__ import annotations
 
-import pytest
-
 from pdxfer.core.generations import Span
 from pdxfer.core.protocol import ErrorCode, RoomState
 from pdxfer.roles.decode.state import PrefillLink
@@ -226,11 +224,6 @@ def test_each_prefill_is_told_when_its_waiting_rooms_are_fenced_at_the_latest():
     assert parts.sessions.fence_in(parts.port.clock()) == {ENDPOINT: BOUND - 3.0, OTHER: BOUND - 7.0}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG roles/decode/rotation.py SessionRotation.fence_in: the min() takes its default from the unclamped due - now, so the "
-    "first overdue room of a prefill reads negative (-8.0 here) instead of 0; PeerInfo.fence_in -1 means 'none wait' and "
-    "tables.duration shows any negative as '-', so `pdxfer peers` shows a prefill whose rooms are overdue for fencing as one "
-    "with none waiting. Fix: dues.get(room.peer, math.inf) (or clamp the default too)"))
 def test_rooms_overdue_for_their_fence_read_as_due_now_not_as_none_waiting():
     parts = made()
     waiting(parts, 7)
@@ -238,12 +231,6 @@ def test_rooms_overdue_for_their_fence_read_as_due_now_not_as_none_waiting():
     assert parts.sessions.fence_in(parts.port.clock()) == {ENDPOINT: 0.0}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG roles/decode/rotation.py SessionRotation.cut/_finish: a cut asked while a rotation runs is answered when that "
-    "rotation ends (_finish answers every waiter), not once the rotation after it ended as cut_waiters' comment and "
-    "`pdxfer peer P --cut` ('fences every fence-pending room ... Answered once that is done') say: a room that failed after "
-    "the running rotation moved it to the new sessions is still fence-pending when the operator is answered (here with 0). "
-    "Fix: keep cuts asked during a rotation apart and hand them to the next one in rotated()"))
 def test_a_cut_asked_while_a_rotation_runs_is_answered_once_the_rotation_after_it_ended():
     parts = made()
     room = decode_room(parts, 8)
@@ -264,11 +251,6 @@ def test_a_cut_asked_while_a_rotation_runs_is_answered_once_the_rotation_after_i
     assert room.fenced and answers == [1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG roles/decode/rotation.py SessionRotation.failed/tick: failed() says 'the tick asks again a while later', but "
-    "the tick asks only for a fence-pending room that qualifies (silent prefill, or half the fence bound waited): a cut "
-    "whose new sessions failed to start, with no such room, is never asked again, so `pdxfer peer P --cut` waits "
-    "forever (or until some room qualifies). Fix: the tick asks again after retry_at while cut_waiters is not empty"))
 def test_a_cut_whose_new_sessions_failed_to_start_is_tried_again():
     parts = made()
     decode_room(parts, 7)  # nothing fence-pending: the operator cuts anyway

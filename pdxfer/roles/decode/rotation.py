@@ -11,6 +11,7 @@ runs at a time, and one asked for meanwhile follows it."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 from ...core.config import Config
@@ -43,7 +44,10 @@ class SessionRotation:
         self.rotation: Rotation | None = None  # the retirement of the generation before the current one, while it runs
         self.asked = ""  # why a rotation was asked for and has not begun ("": none asked)
         self.retry_at = 0.0  # after a rotation failed to start: not asked again before this
-        self.cut_waiters: list[Callable[[int], None]] = []  # operator cuts, answered with the rooms fenced once the rotation after them ended
+        # Operator cuts, answered with the rooms fenced once the rotation after them ended:
+        # those whose rotation has not begun, and those of the rotation running.
+        self.cuts_asked: list[Callable[[int], None]] = []
+        self.cut_waiters: list[Callable[[int], None]] = []
         self.rotations = 0  # generations retired by a rotation
         self.cuts = 0  # of them, asked for by an operator
         self.fenced = 0  # failed rooms fenced because every generation they could be written into ended
@@ -53,7 +57,7 @@ class SessionRotation:
         return self.generations.sessions
 
     def cut(self, reason: str, answer: Callable[[int], None]) -> None:
-        self.cut_waiters.append(answer)
+        self.cuts_asked.append(answer)
         self.ask(reason)
 
     def ask(self, reason: str) -> None:
@@ -81,6 +85,7 @@ class SessionRotation:
         old, old_sessions = self.generations.current, self.generations.sessions
         self.generations.rotated(sessions)
         reason, self.asked = self.asked or "the transfer engine process ended", ""
+        self.cut_waiters, self.cuts_asked = self.cut_waiters + self.cuts_asked, []  # this rotation covers every room failed before it
         self.hello_all()
         if old not in self.generations.live:  # ended already (its process died): nothing to wait for
             self._finish(0)
@@ -151,7 +156,7 @@ class SessionRotation:
         """Per prefill link, seconds until its waiting rooms must be fenced at the latest."""
         dues: dict[str, float] = {}
         for room, due in self._waiting_for_proof():
-            dues[room.peer] = min(max(0.0, due - now), dues.get(room.peer, due - now))
+            dues[room.peer] = min(max(0.0, due - now), dues.get(room.peer, math.inf))  # overdue reads 0: -1 means none wait
         return dues
 
     def tick(self, now: float) -> None:
@@ -167,6 +172,9 @@ class SessionRotation:
                     rotation.drained(endpoint)
         self._end_if_due(now)
         if now < self.retry_at:
+            return
+        if self.cuts_asked and not self.asked and rotation is None:  # its new sessions failed to start: the operator still waits
+            self.ask(f"an operator cut, {len(self.cuts_asked)} waiting, tried again")
             return
         for room, _ in self._waiting_for_proof():
             link = self.state.links.get(room.peer)
