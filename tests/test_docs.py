@@ -27,7 +27,7 @@ def section(text: str, heading: str) -> str:
 def module_table(readme: str) -> set[str]:
     """Paths the module table under "The code" names, relative to pdxfer/: in each row's
     first cell, a path with a folder sets the folder for the bare names after it
-    (`roles/base.py`, `prefill.py`); a folder (`tools/bench/`) stands for all in it. Bold
+    (`roles/prefill/service.py`, `writer.py`); a folder (`tools/bench/`) stands for all in it. Bold
     rows are a layer's heading, not an entry."""
     named = set()
     for line in section(readme, "## The code").splitlines():
@@ -70,7 +70,7 @@ CODE_MAP = ROOT / "docs" / "code.md"
 
 def test_the_module_table_names_every_module_and_only_those():
     named = module_table(CODE_MAP.read_text())
-    assert "tools/bench/" in named and "roles/prefill.py" in named and "loop.py" in named, sorted(named)
+    assert "tools/bench/" in named and "roles/prefill/writer.py" in named and "loop.py" in named, sorted(named)
     missing = sorted(m for m in modules() if not covered(m, named))
     assert not missing, f"docs/code.md, The code: no row for {missing}"
     gone = sorted(entry for entry in named if not (PACKAGE / entry).exists())
