@@ -143,23 +143,25 @@ def add_commands(sub) -> None:
         sub, "peer", "show the peers matching P; --drain stops new rooms with them; --cut fences their rooms",
         "Show the peers whose address or name contains P. With --drain, stop new rooms with them (the rooms\n"
         "they hold finish); the daemon must run with --admin-writes. A drain lasts until the daemon restarts.\n"
-        "With --cut (decode daemon, --admin-writes), end the rooms that are fence-pending because a prefill\n"
-        "stopped answering (frozen, partitioned, or dead with no successor): the decode daemon replaces every\n"
-        "transfer session it has, so nothing any prefill sent through the old ones can land, fences every\n"
-        "fence-pending room (their engines may reuse the pages), and tells every prefill its new sessions.\n"
-        "Writes in flight from healthy prefills fail too: their rooms fail and their engines may retry.",
+        "With --cut (decode daemon, --admin-writes), fence now the rooms that are fence-pending because a\n"
+        "prefill stopped answering (frozen, partitioned, or dead with no successor), which the decode daemon\n"
+        "would otherwise do itself within its --fence-bound: it starts new transfer sessions, tells every\n"
+        "prefill, ends the old ones once the prefills it still hears from drained them (or at a deadline),\n"
+        "so nothing sent through them can land, and fences every fence-pending room (their engines may reuse\n"
+        "the pages). A healthy prefill's rooms go on through the new sessions. Answered once that is done.",
         "print {\"peers\": [...]} of the matching peers",
     )
     peer.add_argument("peer", metavar="P", help="part of the peer's address or name, e.g. 10.0.0.5:18998")
     peer.add_argument("--drain", action="store_true", help="operator action: no new rooms with the matching peers (needs --admin-writes)")
-    peer.add_argument("--cut", action="store_true", help="operator action on a decode daemon: replace its transfer sessions and fence every fence-pending room (needs --admin-writes)")
+    peer.add_argument("--cut", action="store_true", help="operator action on a decode daemon: end its transfer sessions now, not within --fence-bound, and fence every fence-pending room (needs --admin-writes)")
 
     slots = _command(
         sub, "slots", "show the aux slot table: free, held (granted/armed/written), quarantined",
         "Show the aux slot table: each slot's state (free; held: granted to the engine, armed for a room,\n"
         "written with a verified record; quarantined until its failed room is fenced), owner room,\n"
         "generation, time in that state, and for quarantined slots the time left to the fence deadline\n"
-        "('pending' on a decode daemon: held until the prefill confirms, restarts, or `pdxfer peer P --cut`).",
+        "('pending' on a decode daemon: held until the prefill confirms, restarts, the fence bound passes,\n"
+        "or `pdxfer peer P --cut`).",
         "print {\"slots\": [...]}, every slot (or those in --state)",
     )
     slots.add_argument("--state", choices=SLOT_STATES, help="only slots in this state")
