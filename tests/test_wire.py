@@ -27,7 +27,7 @@ def sockets(runtime_dir):
         at_router: list[tuple[bytes, list[bytes]]] = []
         at_dealer: list[list[bytes]] = []
         router = Router(ctx, f"ipc://{runtime_dir}/w{len(made)}.sock", 1 << 20, 10_000)
-        bound = router.start(loop, lambda identity, frames: at_router.append((identity, frames)), *([head] if head else []))
+        bound = router.start(loop, lambda frames: at_router.append((frames[0], frames[1:])), *([head] if head else []))
         dealer = Dealer(ctx, bound, b"dealer-1", 1 << 20, 10_000)
         dealer.start(loop, at_dealer.append, *([None, head] if head else []))
         made.extend((dealer, router))
@@ -56,10 +56,10 @@ async def test_a_handler_that_raises_is_reported_and_the_next_message_still_arri
     loop, ctx = asyncio.get_running_loop(), zmq.Context.instance()
     got, failures = [], []
 
-    def handle(identity, frames):
-        if frames == [b"bad"]:
+    def handle(frames):
+        if frames[1:] == [b"bad"]:
             raise RuntimeError("a bug in the handler")
-        got.append(frames)
+        got.append(frames[1:])
 
     router = Router(ctx, f"ipc://{runtime_dir}/raise.sock", 1 << 20, 10_000)
     router.on_error = lambda: failures.append(1)

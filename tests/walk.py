@@ -10,8 +10,13 @@ sitecustomize put first on the daemons' PYTHONPATH). A warm-up room goes first; 
 measured room runs from the prefill link's send() of its one chunk to the decode link
 reading Success. A function is on the route when it was entered in that window and not
 in a quiet window of the same length right after (ticks, heartbeats and the like run in
-both); each counts once, in the order first entered. SGLang's own scheduler calls
-(conn.py) are not counted: they need the engine.
+both); each counts once, in the order first entered. Once the decode daemon holds the
+room's Success (it entered ``RoomBook.succeed``, which pushes the status to its engine
+first), only the engines' calls count: the decode's ack and the prefill hearing it are
+not on the data's way (the push's own functions were counted on their first use). A
+comprehension or generator expression is an expression, not a function the data
+crosses into (Python 3.12 inlines most of them): not counted. SGLang's own scheduler
+calls (conn.py) are not counted: they need the engine.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ SITECUSTOMIZE = textwrap.dedent('''
         if event == "call":
             code = frame.f_code
             if code.co_filename.startswith(_root):
-                _events.append((time.monotonic(), code.co_filename, code.co_qualname))
+                _events.append((time.monotonic(), code.co_filename, code.co_qualname, os.getpid()))
     sys.setprofile(_profile)
     threading.setprofile(_profile)
     @atexit.register
@@ -54,10 +59,14 @@ class Route:
         return list(dict.fromkeys(path for path, _ in self.functions))
 
 
+COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
+SUCCEEDED = "RoomBook.succeed"  # where a daemon's room becomes Success
+
+
 def _record(events: list, root: str):
     def profile(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(root):
-            events.append((time.monotonic(), frame.f_code.co_filename, frame.f_code.co_qualname))
+            events.append((time.monotonic(), frame.f_code.co_filename, frame.f_code.co_qualname, os.getpid()))
     return profile
 
 
@@ -105,16 +114,20 @@ def walk() -> Route:
     for name in os.listdir(out):
         with open(os.path.join(out, name)) as fh:
             events += [tuple(e) for e in json.load(fh)]
-    return _route(events, start, end)
+    return _route(events, start, end, daemons[1].pid)
 
 
-def _route(events: list, start: float, end: float) -> Route:
+def _route(events: list, start: float, end: float, decode_pid: int) -> Route:
     quiet_start, quiet_end = end + 0.1, end + 0.1 + (end - start)
-    noise = {(path, name) for t, path, name in events if quiet_start <= t <= quiet_end}
+    noise = {(path, name) for t, path, name, _ in events if quiet_start <= t <= quiet_end}
+    succeeded = min((t for t, _, name, pid in events if pid == decode_pid and name.endswith(SUCCEEDED) and start <= t <= end), default=end)
     seen: dict[tuple[str, str], float] = {}
-    for t, path, name in sorted(events):
-        if start <= t <= end and (path, name) not in noise and (path, name) not in seen:
-            seen[(path, name)] = t
+    for t, path, name, pid in sorted(events):
+        if not start <= t <= end or (path, name) in noise or (path, name) in seen or name.endswith(COMPREHENSIONS):
+            continue
+        if t > succeeded and pid != os.getpid():
+            continue
+        seen[(path, name)] = t
     parent = str(Path(PACKAGE).parent) + os.sep
     return Route([(path[len(parent):], name) for path, name in seen])
 

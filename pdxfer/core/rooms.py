@@ -137,10 +137,9 @@ class Room:
     history: list[tuple[RoomState, float]] = field(default_factory=list)
     ticket: int = 0  # identifies the room's live deadline entry
     due: float = 0.0  # that entry's time: never after ``deadline`` (see RoomTable.expired)
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL_STATES
+    # In a terminal state (Success or Failed): kept by RoomTable.apply, read on every path
+    # (a field, not a property: it is asked a dozen times per room).
+    finished: bool = False
 
 
 class RoomTable:
@@ -149,8 +148,12 @@ class RoomTable:
     def __init__(self, capacity: int, timeouts: Timeouts) -> None:
         self.capacity = capacity
         self.timeouts = timeouts
-        # Told of every state change: (room, the state it left, now). Metrics and logs.
+        # Told of every state change, with debug logging: (room, the state it left, now).
         self.observer: Callable[[Room, RoomState | None, float], None] | None = None
+        # Every state change, for the metrics to take (take_moves): (state entered, state
+        # left or None, seconds spent in it, seconds since the room was created). A tuple
+        # appended, not a call, on the hot path.
+        self.moves: list[tuple[RoomState, RoomState | None, float, float]] = []
         self._rooms: dict[int, Room] = {}
         # (due, ticket, room id); an entry counts only while it holds its room's
         # current ticket, so stale entries (removed rooms, a later room reusing the id)
@@ -179,9 +182,14 @@ class RoomTable:
         room.history.append((B, now))
         self._rooms[room_id] = room
         self._schedule(room)
+        self.moves.append((B, None, 0.0, 0.0))
         if self.observer is not None:
             self.observer(room, None, now)
         return room
+
+    def take_moves(self) -> list[tuple[RoomState, RoomState | None, float, float]]:
+        moves, self.moves = self.moves, []
+        return moves
 
     def _schedule(self, room: Room) -> None:
         room.ticket, room.due = next(self._tickets), room.deadline
@@ -225,7 +233,9 @@ class RoomTable:
         elif target is S:
             room.fenced = True  # it ended well: its writers are done
         left = room.state
+        self.moves.append((target, left, now - room.entered, now - room.created))
         room.state = target
+        room.finished = target in TERMINAL_STATES
         room.entered = now
         room.deadline = now + self._limits[target]
         room.history.append((target, now))

@@ -1,4 +1,4 @@
-"""A decode daemon's own wiring: a link (wire.peers.MessageLink) to each prefill
+"""A decode daemon's own wiring: a link (wire.bootstrap.MessageLink) to each prefill
 daemon it asks rooms of, and its role's port (roles.ports.DecodePort): messages on
 links, timers and copies beside the loop, names from the registry, and the rotation of
 its transfer sessions (new engines, old ones ended, through the pump)."""
@@ -17,7 +17,7 @@ from ..roles.decode.service import DecodeService
 from ..roles.staging import Staging
 from ..transport import Peer
 from ..transport.pump import TransferPump
-from ..wire.peers import MessageLink
+from ..wire.bootstrap import MessageLink
 from ..wire.seal import Seal
 from .ports import DaemonPort, EngineHost
 
@@ -113,13 +113,13 @@ class DecodeSide:
         service = self.service
         link = MessageLink(
             endpoint, self.incarnation.encode(), self.config.max_message_bytes, self.seal, self.codec,
-            on_message=lambda incarnation, msg: service.on_link(endpoint, incarnation, msg),
-            on_connection=lambda event: service.on_connection(endpoint, event),
+            on_message=service.on_link, on_connection=service.on_connection,
             on_unauthenticated=lambda why: service.link_unauthenticated(endpoint, why),
             on_bad=lambda why: self._bad(endpoint, why),
             on_dropped=self._dropped, on_refused=lambda code, why: self._refused(endpoint, code, why),
             on_error=lambda: self.count_failure("task:peer-message", 1),
             keep=service.still_wanted, greeting=lambda: service.hello(endpoint),
+            on_unreachable=service.unreachable,
         )
         link.start(asyncio.get_running_loop())
         self.links[endpoint] = link

@@ -2,9 +2,9 @@
 
 Everything is read at scrape time by one collector: counters pdxfer already keeps
 (bytes and blocks moved, failures by reason), the tables it holds (rooms, slots,
-peers, queues), and the room transitions it observes into plain integers and bucket
-counts. The hot path pays an integer increment and a list append per transition, not
-a prometheus_client call (those cost several microseconds each).
+peers, queues), and the room table's moves (core/rooms.py) folded into plain integers
+and bucket counts. The hot path pays a list append per transition, not a call, let
+alone a prometheus_client one (those cost several microseconds each).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTO
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..core.protocol import RoomState
-from ..core.rooms import Room
 
 # A role's own counters (RoleInbound.counters): (metric, kind, help), each only where its role counts it.
 ROLE_COUNTERS = {
@@ -96,18 +95,17 @@ class Metrics:
         for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(standard)
 
-    def observe(self, room: Room, left: RoomState | None, now: float) -> None:
-        """RoomTable observer: one call per state change."""
-        state = room.state
-        self.transitions[state] += 1
-        if left is not None and len(room.history) >= 2:
-            self.state_seconds[left].waiting.append(now - room.history[-2][1])
-        if state is RoomState.SUCCESS:
-            self.success_seconds.waiting.append(now - room.created)
-
     def fold(self) -> None:
-        """Sort what the histograms were told into their buckets (the daemon's ticker
-        calls this: what waits stays bounded by the room rate times its period)."""
+        """Count the room table's moves since the last fold and sort what the histograms
+        were told into their buckets (the daemon's ticker calls this, and a scrape: what
+        waits stays bounded by the room rate times the tick)."""
+        service = self.daemon.service
+        for state, left, seconds_in_left, age in (service.rooms.take_moves() if service is not None else ()):
+            self.transitions[state] += 1
+            if left is not None:
+                self.state_seconds[left].waiting.append(seconds_in_left)
+            if state is RoomState.SUCCESS:
+                self.success_seconds.waiting.append(age)
         for histogram in (*self.state_seconds.values(), self.success_seconds):
             histogram.fold()
 
@@ -124,6 +122,7 @@ class _Collector:
 
     def collect(self):
         metrics = self.metrics
+        metrics.fold()
         service, pump = metrics.daemon.service, metrics.daemon.pump
         transitions = CounterMetricFamily("pdxfer_room_transitions", "Rooms entering each state", labels=["state"])
         for state in RoomState:

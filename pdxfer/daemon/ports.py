@@ -48,14 +48,12 @@ class DaemonPort:
     wall = staticmethod(time.time)
     same_memory = staticmethod(memory.same_memory)
 
-    def __init__(self, host: EngineHost, observe: Callable[[Room, RoomState | None, float], None],
+    def __init__(self, host: EngineHost, observe: Callable[[Room, RoomState | None, float], None] | None,
                  staging: memory.SharedMemory | None = None) -> None:
         self._host = host
-        self.observe = observe  # the metrics' observer, or with debug logging one that also logs
+        self.observe = observe  # with debug logging, one that logs each transition; else None
         self._staging = staging
-
-    def send_engine(self, identity: bytes, message: Message) -> None:
-        self._host.post_engine(identity, message)
+        self.send_engine: Callable[[bytes, Message], None] = host.post_engine  # every status of every room: no hop of our own
 
     async def map_memory(self, handle: MemoryHandle) -> Mapping:
         """Host memory is mapped off the event loop: populating a big pool takes seconds

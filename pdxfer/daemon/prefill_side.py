@@ -1,4 +1,4 @@
-"""A prefill daemon's own wiring: its bootstrap endpoint (wire.peers.MessageServer),
+"""A prefill daemon's own wiring: its bootstrap endpoint (wire.bootstrap.MessageServer),
 where decode daemons connect, and its role's port (roles.ports.PrefillPort): replies
 to decode daemons, writes through the pump, CUDA events polled on the loop."""
 
@@ -17,7 +17,7 @@ from ..roles.prefill.service import PrefillService
 from ..roles.staging import Staging
 from ..transport import Job, Peer
 from ..transport.pump import TransferPump
-from ..wire.peers import MessageServer
+from ..wire.bootstrap import MessageServer
 from ..wire.seal import Seal
 from .ports import DaemonPort, EngineHost
 
@@ -88,11 +88,7 @@ class PrefillSide:
         self.service: PrefillService | None = None
         self.bootstrap = ""  # host:port decode daemons reach us at
         self.server = MessageServer(
-            config.host, config.bootstrap_port, config.max_message_bytes, seal, codec,
-            on_message=lambda identity, incarnation, msg, nbytes: self.service.on_peer(identity, incarnation, msg, nbytes),
-            on_connection=lambda identity, event: self.service.on_connection(identity, event),
-            on_unauthenticated=lambda identity, messages, why: self.service.refuse_unauthenticated(identity, messages, why),
-            on_dropped=self._dropped, on_refused=self._refused, on_error=lambda: self.count_failure("task:peer-message", 1),
+            config.host, config.bootstrap_port, config.max_message_bytes, seal, codec, on_dropped=self._dropped, on_refused=self._refused, on_error=lambda: self.count_failure("task:peer-message", 1),
         )
 
     async def open(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -107,7 +103,8 @@ class PrefillSide:
         return self.service
 
     async def serve(self) -> None:
-        await self.server.serve()
+        service = self.service
+        await self.server.serve(service.on_peer, service.on_connection, service.refuse_unauthenticated)
 
     def write_failed(self, sessions: Peer) -> None:
         """A write to ``sessions`` failed: the role judges whether that decode daemon is gone."""

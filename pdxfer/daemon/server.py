@@ -163,13 +163,13 @@ class Daemon:
         self.pump = TransferPump(self.transport, self._window(), loop, cfg.stall_timeout,
                                  on_write_failed=self.side.write_failed, on_reset=self._transport_reset)
         self.metrics = Metrics(self)
-        # The log level is set once, before this: without debug logging the table tells the metrics directly.
-        observe = self._observe if log.isEnabledFor(logging.DEBUG) else self.metrics.observe
+        # The log level is set once, before this: without debug logging nothing is told of each transition.
+        observe = self._observe if log.isEnabledFor(logging.DEBUG) else None
         self.service = self.side.make_service(self, observe, self.sessions, self.staging, self.staging_backed, self.pump, self.transport.scratch)
         # Peers, engines and operators are let in only now that the role exists.
         await self.side.serve()
         self.engine_endpoint = self._engine.start(loop, self._on_engine)
-        self.admin_endpoint = self._admin.start(loop, self._on_admin, lambda payloads: [self.seal.envelope(payloads)])
+        self.admin_endpoint = self._admin.start(loop, self._on_admin, self.seal.head)
         self.pump.start()
         if cfg.http_port:
             self._http = HttpEndpoint(cfg.host, cfg.http_port, {"/metrics": self._metrics_page, "/healthz": self._healthz, "/readyz": self._readyz})
@@ -381,13 +381,24 @@ class Daemon:
                 log.exception("background task %s failed; restarting it", name)
                 await asyncio.sleep(0.1)
 
-    def _on_engine(self, identity: bytes, frames: list[bytes]) -> None:
+    def _on_engine(self, frames: list[bytes]) -> None:
+        """One ZMQ message from an engine: its identity, then 1 to MAX_BATCH engine
+        messages, each decoded and handed to the role; its reply (or, for a
+        registration, an awaitable of it) goes back."""
+        identity, frames = frames[0], frames[1:]
         if not 1 <= len(frames) <= MAX_BATCH:
             self.post_engine(identity, Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"an engine message carries 1 to {MAX_BATCH} frames, not {len(frames)}"))
             return
         self._engine_calls_in_window += len(frames)
+        limit, decode, on_engine = self.config.max_message_bytes, self.codec.engine_requests.decode, self.service.on_engine
         for raw in frames:
-            reply = self._engine_message(identity, raw)
+            if len(raw) > limit:
+                reply = Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {limit}-byte limit")
+            else:
+                try:
+                    reply = on_engine(identity, decode(raw))
+                except UNDECODABLE as exc:
+                    reply = Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
             if reply is None:
                 continue
             if isinstance(reply, Message):
@@ -395,21 +406,12 @@ class Daemon:
             else:
                 self.oneshot(self._reply_later(identity, reply))
 
-    def _engine_message(self, identity: bytes, raw: bytes) -> Message | Awaitable[Message] | None:
-        """One engine message, decoded and handed to the role: its reply (or an awaitable of it)."""
-        if len(raw) > self.config.max_message_bytes:
-            return Error(req=0, code=ErrorCode.BAD_MESSAGE, message=f"message of {len(raw)} bytes exceeds the {self.config.max_message_bytes}-byte limit")
-        try:
-            msg = self.codec.engine_requests.decode(raw)
-        except UNDECODABLE as exc:
-            return Error(req=loose_req(raw), code=ErrorCode.BAD_MESSAGE, message=f"cannot decode engine message: {exc}")
-        return self.service.on_engine(identity, msg)
-
     async def _reply_later(self, identity: bytes, reply: Awaitable[Message]) -> None:
         """A registration's reply: it maps and registers memory off the loop."""
         self.post_engine(identity, await reply)
 
-    def _on_admin(self, identity: bytes, frames: list[bytes]) -> None:
+    def _on_admin(self, frames: list[bytes]) -> None:
+        identity, frames = frames[0], frames[1:]
         try:
             _, payloads = self.seal.open(frames)
         except PdxferError as exc:
@@ -464,9 +466,9 @@ class Daemon:
         self.sessions_changed(sessions)
         self.side.replaced(sessions)
 
-    def _observe(self, room, left, now: float) -> None:
-        """The room table's observer with debug logging: metrics, and one line per transition."""
-        self.metrics.observe(room, left, now)
+    @staticmethod
+    def _observe(room, left, now: float) -> None:
+        """The room table's observer with debug logging: one line per transition."""
         log.debug("room %s %s -> %s peer=%s%s", key_label(room.id), left.value if left else "new", room.state.value, room.peer or "-",
                   f" [{room.code.value}] {room.reason}" if room.code else "", extra={"room": room_of(room.id), "peer": room.peer or None})
 

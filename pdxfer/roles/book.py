@@ -214,7 +214,8 @@ class RoomBook:
         return stuck
 
     def timeout_reason(self, room: Room) -> str:
-        return f"no progress for {self.rooms.timeouts.for_state(room.state):g}s in {room.state.value} (peer {room.peer or 'unknown'})"
+        waiting = f", {room.reason}" if room.reason else f" (peer {room.peer or 'unknown'})"  # what it waited for, where its role said
+        return f"no progress for {self.rooms.timeouts.for_state(room.state):g}s in {room.state.value}{waiting}"
 
     # --- counting
 

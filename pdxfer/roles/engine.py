@@ -9,7 +9,7 @@ the engine asked for no reply.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Protocol
+from typing import Awaitable, Callable, Mapping, Protocol
 
 from ..core import errors
 from ..core.errors import PdxferError
@@ -51,8 +51,9 @@ log = logging.getLogger("pdxfer.service")
 class EngineRequests(Protocol):
     """What a role does for its engines that the other does not."""
 
-    def on_room(self, identity: bytes, msg: Send | Expect | Announce) -> Message:
-        """send, expect or announce: the role's own (the other role's refuses them)."""
+    room_messages: Mapping[type, Callable[[bytes, Message], Message]]
+    """The role's handlers of the messages that open or feed a room, by type: send and
+    announce on a prefill daemon, expect on a decode daemon."""
 
     def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
         """Fail a room (and whatever the role fails with it)."""
@@ -87,15 +88,22 @@ class EngineDesk:
         self.lanes = lanes
         self.book = book
         self.requests = requests
+        self.room_handlers = requests.room_messages
         self.messages = 0  # engine messages received (clients answer poll() from pushed statuses: B6)
         self.draining = False  # shutting down, no new rooms
 
     def on_engine(self, identity: bytes, msg: Message) -> Message | Awaitable[Message] | None:
         self.messages += 1
-        if isinstance(msg, (RegisterKV, RegisterAux)):
-            return self._registration(self.lanes.of(identity), msg)
+        room_handler = self.room_handlers.get(type(msg))  # the messages of every room first: one lookup
         try:
-            reply = self._dispatch(identity, msg)
+            if room_handler is not None:
+                if self.draining:  # new rooms are refused while the daemon drains for shutdown
+                    raise errors.Busy("this daemon is draining for shutdown; send the request to another worker", retry_after_ms=1000, room=msg.room)
+                reply = room_handler(identity, msg)
+            elif isinstance(msg, (RegisterKV, RegisterAux)):
+                return self._registration(self.lanes.of(identity), msg)
+            else:
+                reply = self._dispatch(identity, msg)
         except Exception as exc:
             reply = self.error_reply(msg, exc)
         if msg.req == 0:  # the engine did not wait for an answer: no ok
@@ -136,11 +144,9 @@ class EngineDesk:
         return Error(req=msg.req, code=ErrorCode.INTERNAL, message=f"internal error: {exc!r}", room=room)
 
     def _dispatch(self, identity: bytes, msg: Message) -> Message:
-        # The messages of every room first: each isinstance test costs every message after it.
-        if isinstance(msg, (Send, Expect, Announce)):
-            if self.draining:  # new rooms are refused while the daemon drains for shutdown
-                raise errors.Busy("this daemon is draining for shutdown; send the request to another worker", retry_after_ms=1000, room=msg.room)
-            return self.requests.on_room(identity, msg)
+        if isinstance(msg, (Send, Expect, Announce)):  # the other role's
+            other = "decode" if self.role is Role.PREFILL else "prefill"
+            raise errors.BadMessage(f"{type(msg).__name__.lower()}() goes to a {other} daemon; this one is {self.role.value}", room=msg.room)
         if isinstance(msg, Release):
             room = self.book.rooms.get(room_key(msg.room, self.lanes.of(identity).code))
             state = self.requests.status(room).state

@@ -48,9 +48,10 @@ class Port(Protocol):
         """Whether ``mapping``, made for ``handle``, still maps the memory ``handle`` names
         (an engine that restarted may make its shared memory again under the same name)."""
 
-    def observe(self, room: Room, left: RoomState | None, now: float) -> None:
-        """The room table moved ``room`` out of ``left`` (None: created) at ``now``:
-        metrics and logs. Runs on every transition, so it is cheap."""
+    observe: Callable[[Room, RoomState | None, float], None] | None
+    """Told that the room table moved ``room`` out of ``left`` (None: created) at
+    ``now``, where something listens (debug logging); None: nothing does, and a
+    transition costs no call. Metrics take the table's moves instead."""
 
     def watch_engine(self, identity: bytes, pid: int, pid_namespace: int) -> None:
         """Tell the role (engine_gone) when the process behind an engine connection

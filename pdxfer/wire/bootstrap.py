@@ -1,5 +1,6 @@
 """The bootstrap channel between daemons: length-prefixed frames over plain TCP,
-driven by the event loop. Engines still reach their daemon over ZMQ (sockets.py).
+driven by the event loop, and the messages daemons send on it (MessageServer and
+MessageLink, at the end). Engines still reach their daemon over ZMQ (sockets.py).
 
 The daemons own both ends of this channel, so it needs nothing ZMQ adds, and ZMQ
 costs here: each of its messages wakes an I/O thread on each side besides the two
@@ -49,6 +50,7 @@ proto/PROTOCOL.md says the same.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
@@ -58,9 +60,10 @@ import struct
 import time
 from typing import Callable, Protocol
 
-from ..core.errors import BadMessage
-from ..core.protocol import ErrorCode
+from ..core.errors import BadMessage, Unauthenticated
+from ..core.protocol import UNDECODABLE, Codec, ErrorCode, Message, PeerError
 from .batch import MAX_BATCH, Dropped, Head, Outbox, no_head
+from .seal import Seal
 
 log = logging.getLogger("pdxfer.peer_channel")
 
@@ -399,13 +402,14 @@ class PeerLink:
     when there is no secret to check it by (it says why); with one, it is refused like
     a reply that does not verify. Messages posted while it is not connected wait for
     the next connection, up to a bound; past it, or past a full send buffer, they are
-    dropped and ``on_dropped`` hears of them. What was buffered on a connection that
+    dropped and ``on_dropped`` hears of them. ``on_unreachable(why)`` hears of each
+    connect that failed (refused, unanswered). What was buffered on a connection that
     dropped is lost. ``on_refused`` is as on PeerServer."""
 
     def __init__(self, endpoint: str, identity: bytes, max_bytes: int, prover: Prover | None = None, *,
                  on_error: Callable[[], None] = lambda: None, on_refused: Refused = lambda code, why: [],
                  on_dropped: Dropped = lambda to, payloads: None, keep: Callable[[bytes], bool] = lambda payload: True,
-                 greeting: Callable[[], list[bytes]] = lambda: []) -> None:
+                 greeting: Callable[[], list[bytes]] = lambda: [], on_unreachable: Callable[[str], None] = lambda why: None) -> None:
         self.endpoint = endpoint
         self.host, self.port = split_endpoint(endpoint)
         self.identity = identity
@@ -432,6 +436,7 @@ class PeerLink:
         # On connecting again: what goes before everything posted meanwhile (the decode's
         # peer_hello: a prefill that restarted meanwhile must hear it before any request).
         self.greeting = greeting
+        self.on_unreachable = on_unreachable  # each connect that failed: why, as a person would say it
         self._taken = 0  # connections taken so far
 
     def start(
@@ -453,7 +458,7 @@ class PeerLink:
             try:
                 _, conn = await asyncio.wait_for(loop.create_connection(make, self.host, self.port), CONNECT_TIMEOUT)
             except (OSError, asyncio.TimeoutError) as exc:
-                log.debug("%s: cannot connect: %s", self.endpoint, exc)
+                self._unreachable(self._why_not(exc))
                 await asyncio.sleep(RECONNECT_SECONDS)
                 continue
             taken = False
@@ -467,6 +472,22 @@ class PeerLink:
             if taken:
                 self._tell("disconnected")
             await asyncio.sleep(RECONNECT_SECONDS)
+
+    def _why_not(self, exc: BaseException) -> str:
+        """A failed connect, as the room waiting for it should say it."""
+        where = f"{self.host}:{self.port}"
+        if isinstance(exc, ConnectionRefusedError):
+            return f"connection refused by {where} (nothing listens there)"
+        if isinstance(exc, asyncio.TimeoutError):
+            return f"no answer from {where} within {CONNECT_TIMEOUT:g}s"
+        return f"cannot connect to {where}: {getattr(exc, 'strerror', None) or exc}"
+
+    def _unreachable(self, why: str) -> None:
+        try:
+            self.on_unreachable(why)
+        except Exception:
+            self.on_error()
+            log.exception("%s: handling a failed connect failed", self.endpoint)
 
     async def _handshake(self, conn: _Connection, lost: asyncio.Future) -> bool:
         """Open with the preamble; ``received`` answers the challenge and checks the
@@ -575,3 +596,139 @@ class PeerLink:
         if self._conn is not None:
             self._conn.transport.close()
             self._conn = None
+
+
+# --- the channel in messages
+#
+# What daemons use: a prefill daemon's MessageServer and a decode daemon's MessageLink
+# seal every batch they send in the daemon's envelope (seal.Seal: its incarnation and,
+# with a cluster secret, a MAC over the batch), open every batch they receive, and
+# decode each payload; a batch whose envelope does not check is handed over as refused,
+# and a payload that does not decode (or is over the size limit) is answered or logged
+# here. What could not be queued, what is kept for a connection to come and a link's
+# greeting are messages too: nothing above this module sees a frame.
+
+def _decoded(codec: Codec, payloads: list[bytes]) -> list[Message]:
+    """The payloads that decode, as messages (what this side posted, or a batch only to be looked at)."""
+    out = []
+    for payload in payloads:
+        try:
+            out.append(codec.peer_messages.decode(payload))
+        except UNDECODABLE:
+            continue
+    return out
+
+
+class MessageServer:
+    """A prefill daemon's bootstrap endpoint (PeerServer), in messages. It binds at
+    ``start``, before the role that answers exists (the role is told the address), and
+    takes connections from ``serve`` on, which names the role's handlers:
+    ``on_message(identity, incarnation, message, nbytes)`` gets each message of a batch
+    whose envelope checked; ``on_unauthenticated(identity, messages, why)`` each batch
+    whose did not (a signed one refused too when this side has no secret: its sender
+    would refuse our unsigned answers); ``on_connection(identity, event)`` each
+    connection that came or went. ``on_dropped(identity, messages)`` gets what could not
+    be queued."""
+
+    def __init__(self, host: str, port: int, max_bytes: int, seal: Seal, codec: Codec, *,
+                 on_dropped: Callable[[bytes | None, list[Message]], None], on_refused: Refused, on_error: Callable[[], None]) -> None:
+        self.seal = seal
+        self.codec = codec
+        self.max_bytes = max_bytes
+        self._on_message: Callable[[bytes, str, Message, int], None] = lambda identity, incarnation, msg, nbytes: None
+        self._on_connection: Callable[[bytes, str], None] = lambda identity, event: None
+        self._on_unauthenticated: Callable[[bytes, list[Message], str], None] = lambda identity, messages, why: None
+        self.channel = PeerServer(host, port, max_bytes, seal if seal.secret else None, on_error=on_error, on_refused=on_refused,
+                                  on_dropped=lambda to, payloads: on_dropped(to, _decoded(codec, payloads)))
+
+    async def start(self, loop: asyncio.AbstractEventLoop) -> str:
+        """Bind; the bound ``tcp://host:port``."""
+        return await self.channel.start(loop, self._received, self._connection, self.seal.head)
+
+    async def serve(self, on_message: Callable[[bytes, str, Message, int], None], on_connection: Callable[[bytes, str], None],
+                    on_unauthenticated: Callable[[bytes, list[Message], str], None]) -> None:
+        self._on_message, self._on_connection, self._on_unauthenticated = on_message, on_connection, on_unauthenticated
+        await self.channel.serve()
+
+    def _connection(self, identity: bytes, event: str) -> None:
+        self._on_connection(identity, event)
+
+    def post(self, identity: bytes, message: Message) -> None:
+        self.channel.post(identity, self.codec.encode(message))
+
+    def _received(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            incarnation, payloads = self.seal.open(frames, refuse_signed=True)
+        except Unauthenticated as exc:
+            self._on_unauthenticated(identity, _decoded(self.codec, frames[1:]), exc.message)
+            return
+        except BadMessage as exc:
+            self.post(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
+            return
+        for payload in payloads:
+            if len(payload) > self.max_bytes:
+                self.post(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"message of {len(payload)} bytes exceeds the {self.max_bytes}-byte limit"))
+                continue
+            try:
+                msg = self.codec.peer_messages.decode(payload)
+            except UNDECODABLE as exc:
+                self.post(identity, PeerError(code=ErrorCode.BAD_MESSAGE, message=f"cannot decode peer message: {exc}"))
+                continue
+            self._on_message(identity, incarnation, msg, len(payload))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class MessageLink:
+    """A decode daemon's link to one prefill daemon (PeerLink), in messages.
+    ``on_message(endpoint, incarnation, message)`` gets each message of a batch whose
+    envelope checked, ``on_connection(endpoint, event)`` each change of its connection; ``on_unauthenticated(why)`` hears of one whose did not, ``on_bad(why)`` of
+    one that is no batch; ``keep(message)`` says whether one posted while the link was
+    down still goes when it connects, after ``greeting()``; ``on_dropped(messages)`` gets
+    what could not be queued; ``on_unreachable(endpoint, why)`` each connect that failed."""
+
+    def __init__(self, endpoint: str, identity: bytes, max_bytes: int, seal: Seal, codec: Codec, *,
+                 on_message: Callable[[str, str, Message], None], on_connection: Callable[[str, str], None],
+                 on_unauthenticated: Callable[[str], None], on_bad: Callable[[str], None],
+                 on_dropped: Callable[[list[Message]], None], on_refused: Refused, on_error: Callable[[], None],
+                 keep: Callable[[Message], bool], greeting: Callable[[], Message], on_unreachable: Callable[[str, str], None]) -> None:
+        self.endpoint = endpoint
+        self.seal = seal
+        self.codec = codec
+        self._on_message = on_message
+        self._on_connection = functools.partial(on_connection, endpoint)
+        self._on_unauthenticated = on_unauthenticated
+        self._on_bad = on_bad
+        self.channel = PeerLink(
+            endpoint, identity, max_bytes, seal if seal.secret else None, on_error=on_error, on_refused=on_refused,
+            on_dropped=lambda to, payloads: on_dropped(_decoded(codec, payloads)),
+            keep=lambda payload: all(keep(msg) for msg in _decoded(codec, [payload])),
+            greeting=lambda: [codec.encode(greeting())], on_unreachable=functools.partial(on_unreachable, endpoint),
+        )
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.channel.start(loop, self._received, self._on_connection, self.seal.head)
+
+    def post(self, message: Message) -> None:
+        self.channel.post(self.codec.encode(message))
+
+    def _received(self, frames: list[bytes]) -> None:
+        try:
+            incarnation, payloads = self.seal.open(frames)
+        except Unauthenticated as exc:
+            self._on_unauthenticated(exc.message)
+            return
+        except BadMessage as exc:
+            self._on_bad(str(exc))
+            return
+        for payload in payloads:
+            try:
+                msg = self.codec.peer_messages.decode(payload)
+            except UNDECODABLE as exc:
+                log.warning("undecodable message from prefill %s: %s", self.endpoint, exc, extra={"peer": self.endpoint})
+                continue
+            self._on_message(self.endpoint, incarnation, msg)
+
+    def close(self) -> None:
+        self.channel.close()

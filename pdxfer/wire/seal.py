@@ -69,6 +69,10 @@ class Seal:
         mac = self._mac(self.incarnation, payloads) if self.secret else b""
         return self._encoder.encode(Envelope(self.incarnation, mac))
 
+    def head(self, payloads: list[bytes]) -> list[bytes]:
+        """What goes before a batch's payloads (a socket's ``head``): its envelope."""
+        return [self.envelope(payloads)]
+
     def seal(self, payloads: list[bytes]) -> list[bytes]:
         return [self.envelope(payloads), *payloads]
 

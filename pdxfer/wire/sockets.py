@@ -129,7 +129,7 @@ class LoopSocket:
             self._loop.call_soon(self._readable)
 
     def _send_batch(self, to: bytes | None, payloads: list[bytes]) -> None:
-        frames = self.head(payloads) + payloads
+        frames = payloads if self.head is no_head else self.head(payloads) + payloads
         if not self._send(frames if to is None else [to, *frames], to):
             self.on_dropped(to, payloads)
 
@@ -180,9 +180,9 @@ def _monitor(sock: zmq.Socket, events: int, on_event: Callable[[int], None], nam
 
 
 class Router:
-    """A bound ROUTER: the daemon's engine, bootstrap or admin endpoint.
-    ``on_message(identity, frames)`` gets each message; ``on_error()`` hears of each
-    one whose handler raised."""
+    """A bound ROUTER: the daemon's engine or admin endpoint. ``on_message(frames)``
+    gets each message, its sender's identity first; ``on_error()`` hears of each one
+    whose handler raised."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, hwm: int, on_error: Callable[[], None] = lambda: None) -> None:
         self.ctx = ctx
@@ -195,7 +195,7 @@ class Router:
         self._io: LoopSocket | None = None
         self._monitor: LoopSocket | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes, list[bytes]], None], head: Head = no_head) -> str:
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[list[bytes]], None], head: Head = no_head) -> str:
         prepare_ipc(self.endpoint)
         sock = self.ctx.socket(zmq.ROUTER)
         _tune(sock, self.max_bytes, self.hwm)
@@ -208,7 +208,7 @@ class Router:
             sock.bind(self.endpoint)
         restrict_ipc(self.endpoint)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._io = LoopSocket(sock, lambda frames: on_message(frames[0], frames[1:]), self.bound, head)
+        self._io = LoopSocket(sock, on_message, self.bound, head)
         self._io.on_error = lambda: self.on_error()
         self._io.attach(loop)
         self._monitor.attach(loop)

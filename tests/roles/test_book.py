@@ -279,7 +279,7 @@ def test_a_timeout_names_the_limit_the_state_and_the_peer_and_what_it_waited_for
     room = book.create(7, Role.DECODE, 0)
     assert book.timeout_reason(room) == "no progress for 30s in bootstrapping (peer unknown)"
     room.peer, room.reason = "tcp://10.0.0.1:8998", "waiting for prefill tcp://10.0.0.1:8998: connection refused"
-    assert book.timeout_reason(room) == ("no progress for 30s in bootstrapping (peer tcp://10.0.0.1:8998): "
+    assert book.timeout_reason(room) == ("no progress for 30s in bootstrapping, "
                                          "waiting for prefill tcp://10.0.0.1:8998: connection refused")
     room.reason = ""
     book.advance(room, Event.BOOTSTRAPPED)

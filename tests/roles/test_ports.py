@@ -17,8 +17,14 @@ from .port import RecordingPort
 
 
 def members(protocol: type) -> set[str]:
-    """What a typing.Protocol asks for, its bases' included."""
-    return {name for cls in protocol.__mro__ if Port in cls.__mro__ for name in vars(cls) if not name.startswith("_")}
+    """What a typing.Protocol asks for (methods and attributes), its bases' included."""
+    return {name for cls in protocol.__mro__ if Port in cls.__mro__ for name in (*vars(cls), *vars(cls).get("__annotations__", {}))
+            if not name.startswith("_")}
+
+
+def attributes(protocol: type) -> set[str]:
+    """The members a port holds as values (which may be None), not methods."""
+    return {name for cls in protocol.__mro__ if Port in cls.__mro__ for name in vars(cls).get("__annotations__", {})}
 
 
 def test_the_ports_ask_for_what_the_roles_do():
@@ -36,5 +42,6 @@ def test_the_ports_ask_for_what_the_roles_do():
 def test_the_daemon_and_the_recording_port_implement_every_member(protocol, role, made):
     daemon = Daemon(Config(role=role))
     for port in (made(daemon, lambda room, left, now: None), RecordingPort()):
-        missing = sorted(name for name in members(protocol) if not callable(getattr(port, name, None)))
+        missing = sorted(name for name in members(protocol) if not hasattr(port, name)
+                         or (name not in attributes(protocol) and not callable(getattr(port, name))))
         assert missing == [], f"{type(port).__name__} lacks {missing}"

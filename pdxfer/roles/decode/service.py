@@ -50,7 +50,6 @@ from ...core.liveness import TickGaps, resumed
 from ...core.plan import check_memory_version, check_pages, pages_from_bytes
 from ...core.protocol import (
     PROTOCOL_VERSION,
-    Announce,
     AuxRecord,
     ErrorCode,
     Expect,
@@ -71,12 +70,10 @@ from ...core.protocol import (
     RoomRequest,
     RoomState,
     RoomStatus,
-    Send,
     Stats,
     SessionsDrained,
     TransferStarted,
     pack_legs,
-    tag_of,
 )
 from ...core.rooms import Event, Room
 from ...core.topology import decode_rank_of, key_label, room_key, room_of
@@ -120,12 +117,14 @@ class DecodeService:
         self.staging = staging
         self.heartbeats = config.heartbeats
         self.heartbeat_misses = 0
-        self.peer_messages: collections.Counter[str] = collections.Counter()  # peer messages received, by kind (A5 counts requests)
+        self.peer_messages: collections.Counter[type] = collections.Counter()  # peer messages received, by type (A5 counts requests)
         self.state = DecodeState()
         self.lanes = Lanes(config, Role.DECODE, port)
         self.book = RoomBook(config, port, self.lanes, self, slot_fence=math.inf)  # never by a clock (S2)
         self.rooms = self.book.rooms
+        self.room_messages = {Expect: self._expect}
         self.desk = EngineDesk(Role.DECODE, incarnation, "", config.fence_seconds, port, self.lanes, self.book, self)
+        self.on_engine = self.desk.on_engine  # the daemon's engine messages go straight to the desk
         self.requester = Requester(config, port, self.lanes, self.book, self.state, staging)
         self.verifier = Verifier(config, port, self.lanes, self.book, self.state, self.requester, staging)
         self.sessions = SessionRotation(config, port, self.book, self.state, sessions, self._hello_all)
@@ -133,9 +132,7 @@ class DecodeService:
 
     # --- the engine conversation (roles/engine.py asks these)
 
-    def on_room(self, identity: bytes, msg: Send | Expect | Announce) -> Message:
-        if not isinstance(msg, Expect):
-            raise errors.BadMessage(f"{type(msg).__name__.lower()}() goes to a prefill daemon; this one is decode", room=msg.room)
+    def _expect(self, identity: bytes, msg: Expect) -> Message:
         lane = self.lanes.of(identity)
         kv, aux = lane.registered_kv(), lane.registered_aux()
         endpoint = self._resolve(msg.bootstrap, msg.room)
@@ -165,6 +162,8 @@ class DecodeService:
         now = self.sessions.generations.current
         self.state.work[room.id] = DecodeWork(identity, endpoint, msg.memory_version, dst.copy(), states, epoch=link.epoch, span=Span(now, now))
         link.rooms.add(room.id)
+        if link.unreachable:
+            room.reason = f"waiting for prefill {endpoint}: {link.unreachable}"
         self.requester.gather(link, msg.room, lane, legs)
         return Ok(req=msg.req)
 
@@ -309,7 +308,7 @@ class DecodeService:
         link.last_heard = link.last_word = self.port.clock()
         if link.incarnation and incarnation != link.incarnation:
             self._restarted(link, incarnation)
-        self.peer_messages[tag_of(msg)] += 1
+        self.peer_messages[type(msg)] += 1  # by type: named by tag when counted
         try:
             self._dispatch_link(link, msg)
         except IllegalTransition as exc:  # the peer sent a signal that does not fit the room's state (H3)
@@ -503,12 +502,35 @@ class DecodeService:
         if link is None:
             return
         link.connected = event == "connected"
+        if link.connected and link.unreachable:
+            log.info("prefill %s reached after: %s", endpoint, link.unreachable, extra={"peer": endpoint})
+            link.unreachable = ""
+            for room in self._link_rooms(link):
+                if not room.finished:
+                    room.reason = ""
         if not link.connected:
             link.epoch += 1
             if self._live_rooms(link):
                 self.declare_dead(link, f"prefill {endpoint} closed its connection")
             else:
-                log.info("connection to prefill %s lost; connecting again", endpoint, extra={"peer": endpoint})
+                # A peer that answered and went is news (a killed or restarting prefill), whether or not it held rooms.
+                log.log(logging.WARNING if link.incarnation else logging.INFO, "connection to prefill %s lost; connecting again",
+                        endpoint, extra={"peer": endpoint})
+
+    def unreachable(self, endpoint: str, why: str) -> None:
+        """A connect to the prefill failed (the link tries again by itself): said once per
+        streak in the log, and in the status of each room waiting for it, so its engine
+        and `pdxfer room` see why at once rather than a timeout's worth later."""
+        link = self.state.links.get(endpoint)
+        if link is None or link.unreachable == why:
+            return
+        waiting = [room for room in self._link_rooms(link) if room.state is RoomState.BOOTSTRAPPING]
+        if not link.unreachable:
+            log.warning("cannot reach prefill %s: %s; trying again (%d rooms waiting for it)", endpoint, why, len(waiting), extra={"peer": endpoint})
+        link.unreachable = why
+        for room in waiting:
+            room.reason = f"waiting for prefill {endpoint}: {why}"
+            self.book.push(room)
 
     def declare_dead(self, link: PrefillLink, reason: str, before: int | None = None) -> None:
         """Fail exactly the rooms on this link (those asked for before epoch ``before``,
@@ -600,9 +622,6 @@ class DecodeService:
 
     # --- what the daemon asks of either role (roles/inbound.py)
 
-    def on_engine(self, identity: bytes, msg: Message):
-        return self.desk.on_engine(identity, msg)
-
     def engine_error(self, msg: Message, exc: Exception) -> Message:
         return self.desk.error_reply(msg, exc)
 
@@ -635,7 +654,7 @@ class DecodeService:
         """Everything this role counts, for the admin API and the metrics."""
         return {
             **self.desk.counters(),
-            **{f"peer_messages_in:{kind}": float(n) for kind, n in self.peer_messages.items()},
+            **{f"peer_messages_in:{kind.__struct_config__.tag}": float(n) for kind, n in self.peer_messages.items()},
             "heartbeat_misses": float(self.heartbeat_misses),
             "staging_taken_bytes": float(self.staging.arena.taken_bytes if self.staging else 0),
             "bytes_received": float(self.verifier.bytes_received),

@@ -37,6 +37,7 @@ class PrefillLink:
     rtt: float = -1.0  # seconds, from the last answered heartbeat
     skew: float = 0.0  # the prefill's wall clock minus ours
     connected: bool = False  # its TCP connection is up; heartbeats go only then (one queued meanwhile would be stale)
+    unreachable: str = ""  # why the last connect failed, until one succeeds
     stages: bool = False  # its welcome said it writes staged legs (LegRequest.staged_at)
     # The prefill's monotonic clock minus ours, lower bounds from its latest answers:
     # each was read there before the answer left and here after it arrived.

@@ -61,7 +61,7 @@ class Verifier:
         """The aux record is aimed at the room's own slot; one that travelled here is
         checked and written. False when that failed the room."""
         aux = self._aux(room)
-        slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots) else None
+        slot = aux.slots.slots[msg.slot] if 0 <= msg.slot < len(aux.slots.slots) else None
         if slot is None or slot.state is not SlotState.ARMED or (slot.room, slot.generation) != (room.id, msg.generation):
             holder = f"room {room_of(slot.room)} generation {slot.generation} ({slot.state.value})" if slot else "no slot"
             reason = f"aux record for room {msg.room} generation {msg.generation} aimed at slot {msg.slot}, which holds {holder}"

@@ -64,11 +64,12 @@ class RoomParts:
         group = self.group(room)
         first = group[0]
         w = self.state.work.get(first.id)
-        pages, skip = (w.request.skip_pages + w.dst_pages.size, w.request.skip_pages) if w is not None and w.request is not None else (0, 0)
-        missing = (w.request.fan_out if w is not None and w.request is not None else 1) - len(group)  # parts whose request is still to come
+        if w is None:
+            return RoomStatus(req=req, room=room_of(first.id), state=first.state, code=first.code, reason=first.reason, fenced=first.fenced)
+        missing = (w.request.fan_out if w.request is not None else 1) - len(group)  # parts whose request is still to come
         if len(group) == 1 and missing <= 0:
-            return RoomStatus(req=req, room=room_of(first.id), state=first.state, code=first.code, reason=first.reason, fenced=first.fenced,
-                              pages=pages, skip_pages=skip)
+            return w.status(first, req)
+        pages, skip = (w.request.skip_pages + w.dst_pages.size, w.request.skip_pages) if w.request is not None else (0, 0)
         failed = [part for part in group if part.state is RoomState.FAILED]
         if failed:
             fenced = all(part.finished and part.fenced for part in group)  # parts still to come were never asked for: nothing to fence

@@ -44,7 +44,6 @@ from ...core.protocol import (
     PROTOCOL_VERSION,
     Announce,
     ErrorCode,
-    Expect,
     Heartbeat,
     HeartbeatAck,
     LegRequest,
@@ -65,7 +64,6 @@ from ...core.protocol import (
     Send,
     Stats,
     TransferStarted,
-    tag_of,
     unpack_legs,
 )
 from ...core import paths
@@ -97,13 +95,15 @@ class PrefillService:
         self.sessions = sessions  # our transfer engines' sessions, which a transport reset replaces (new_sessions)
         self.staging = staging
         self.heartbeats = config.heartbeats
-        self.peer_messages: collections.Counter[str] = collections.Counter()  # peer messages received, by kind
+        self.peer_messages: collections.Counter[type] = collections.Counter()  # peer messages received, by type
         self.connected: set[bytes] = set()  # identities with a bootstrap connection now (wire.bootstrap)
         self.state = PrefillState()
         self.lanes = Lanes(config, Role.PREFILL, port)
         self.book = RoomBook(config, port, self.lanes, self, slot_fence=config.fence_timeout)
         self.rooms = self.book.rooms
+        self.room_messages = {Send: self._send, Announce: self._announce}
         self.desk = EngineDesk(Role.PREFILL, incarnation, bootstrap_address, 0.0, port, self.lanes, self.book, self)
+        self.on_engine = self.desk.on_engine  # the daemon's engine messages go straight to the desk
         self.parts = RoomParts(self.book, self.state)
         self.writer = Writer(config, port, self.lanes, self.book, self.state, self.parts, staging)
         # Peer messages that arrived before the engine registered, replayed after: (identity, incarnation, message, bytes).
@@ -112,13 +112,6 @@ class PrefillService:
         self._gaps = TickGaps(config.heartbeats)
 
     # --- the engine conversation (roles/engine.py asks these)
-
-    def on_room(self, identity: bytes, msg: Send | Expect | Announce) -> Message:
-        if isinstance(msg, Send):
-            return self._send(identity, msg)
-        if isinstance(msg, Announce):
-            return self._announce(identity, msg)
-        raise errors.BadMessage("expect() goes to a decode daemon; this one is prefill", room=msg.room)
 
     def _send(self, identity: bytes, msg: Send) -> Message:
         lane = self.lanes.of(identity)
@@ -150,7 +143,9 @@ class PrefillService:
         if created:
             room = self.book.create(key, Role.PREFILL, lane.index)
             self.state.work[room.id] = w = PrefillWork()
-        self._owned_by(room, lane)
+        parts = self.parts.group(room) if w.fans else (room,)  # fan-out is consulted only where the room fans out
+        for part in parts:
+            part.lane = lane.index  # the rank that sends the room owns it (a request made first only guessed)
         if msg.last:
             try:
                 self.book.bind_slot(room, msg.slot, msg.generation)
@@ -159,22 +154,15 @@ class PrefillService:
                     self.rooms.remove(room.id)
                     self.state.work.pop(room.id, None)
                 raise
-            for part in self.parts.group(room):
+            for part in parts:
                 self.state.work[part.id].aux_slot = msg.slot
         chunk = Chunk(msg.first_page, src.copy(), msg.last, msg.num_tokens, msg.aux_bytes, msg.release_when_settled, waiting=bool(msg.cuda_event))
         w.engine, w.memory_version = identity, msg.memory_version
-        self._hand_over(room, w, chunk)
-        for fan in self.parts.fans(room):
-            self._hand_over(fan, self.state.work[fan.id], chunk)
+        for part in parts:
+            self._hand_over(part, self.state.work[part.id], chunk)
         if msg.cuda_event:  # once the chunk is in its parts: a port may answer at once (a daemon that cannot wait)
             self.port.after_event(msg.cuda_event, lambda error: self._event_done(room.id, chunk, error))
         return Ok(req=msg.req)
-
-    def _owned_by(self, room: Room, lane) -> None:
-        """The engine rank that announces or sends the room owns it, and its parts: a room
-        a request made first only guessed its lane (the rank may not have registered)."""
-        for part in self.parts.group(room):
-            part.lane = lane.index
 
     def _event_done(self, key: int, chunk: Chunk, error: str) -> None:
         """A chunk's CUDA event completed (its pages hold their KV now), or cannot be waited on."""
@@ -216,7 +204,8 @@ class PrefillService:
         if room is None:
             room = self.book.create(key, Role.PREFILL, lane.index)
             self.state.work[room.id] = PrefillWork()
-        self._owned_by(room, lane)
+        for part in self.parts.group(room):  # the rank that announces the room owns it (a request made first only guessed)
+            part.lane = lane.index
         self.state.work[room.id].engine = identity
         if room.finished or self.state.work[room.id].request is not None:
             self.book.push(room)
@@ -226,7 +215,8 @@ class PrefillService:
         return self.parts.fail(room, code, reason)
 
     def status(self, room: Room, req: int = 0) -> RoomStatus:
-        return self.parts.status(room, req)
+        w = self.state.work.get(room.id)
+        return self.parts.status(room, req) if w is None or w.fans_out() else w.status(room, req)
 
     def memory_version(self, room: Room) -> int:
         w = self.state.work.get(room.id)
@@ -245,7 +235,9 @@ class PrefillService:
             w.engine = b""
 
     def engine_of(self, room: Room) -> bytes:
-        w = self.parts.head(room)
+        w = self.state.work.get(room.id)
+        if w is not None and w.first_room:  # a fan-out part: its first part's engine speaks for it
+            w = self.parts.head(room)
         return w.engine if w else b""
 
     def release(self, room: Room) -> None:
@@ -286,7 +278,7 @@ class PrefillService:
 
     def on_peer(self, identity: bytes, incarnation: str, msg: Message, nbytes: int) -> None:
         """A message from the decode daemon connected as ``identity``, decoded (``nbytes`` on the wire)."""
-        self.peer_messages[tag_of(msg)] += 1
+        self.peer_messages[type(msg)] += 1  # by type: named by tag when counted
         if not any(lane.ready for lane in self.lanes):
             self._hold(identity, incarnation, msg, nbytes)
             return
@@ -637,9 +629,6 @@ class PrefillService:
 
     # --- what the daemon asks of either role (roles/inbound.py)
 
-    def on_engine(self, identity: bytes, msg: Message):
-        return self.desk.on_engine(identity, msg)
-
     def engine_error(self, msg: Message, exc: Exception) -> Message:
         return self.desk.error_reply(msg, exc)
 
@@ -663,7 +652,7 @@ class PrefillService:
         """Everything this role counts, for the admin API and the metrics."""
         return {
             **self.desk.counters(),
-            **{f"peer_messages_in:{kind}": float(n) for kind, n in self.peer_messages.items()},
+            **{f"peer_messages_in:{kind.__struct_config__.tag}": float(n) for kind, n in self.peer_messages.items()},
             "staging_taken_bytes": float(self.staging.arena.taken_bytes if self.staging else 0),
             "kv_inline_rooms": float(self.writer.kv_inline_rooms),
             "kv_inline_bytes": float(self.writer.kv_inline_bytes),

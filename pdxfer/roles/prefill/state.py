@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...core.protocol import LaneInfo, LegRequest, PeerHello
+from ...core.protocol import LaneInfo, LegRequest, PeerHello, RoomStatus
 from ...core.staging import StagedLayout
+from ...core.topology import room_of
 from ...transport import Job, Peer
 
 
@@ -100,6 +101,19 @@ class PrefillWork:
     def leg(self) -> int:
         """The leg code of the room's request (0 before it came)."""
         return self.request.leg if self.request is not None else 0
+
+    def fans_out(self) -> bool:
+        """Whether this room part is one of several of a prefill rank's room (parts.py):
+        a first part with fan-out parts, or a fan-out part, or the first of a request
+        that said more are to come."""
+        return bool(self.fans or self.first_room or (self.request is not None and self.request.fan_out > 1))
+
+    def status(self, room, req: int = 0) -> RoomStatus:
+        """What the engine hears of a room that is its only part: its own state, and the
+        positions the decode's request wants."""
+        pages, skip = (self.request.skip_pages + self.dst_pages.size, self.request.skip_pages) if self.request is not None else (0, 0)
+        return RoomStatus(req=req, room=room_of(room.id), state=room.state, code=room.code, reason=room.reason, fenced=room.fenced,
+                          pages=pages, skip_pages=skip)
 
     def source_pages(self) -> np.ndarray:
         """Every source page written, in the order of the destination pages they went to."""

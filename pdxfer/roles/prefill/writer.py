@@ -7,7 +7,6 @@ writers in the room table: core/rooms.py)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
 
@@ -125,7 +124,7 @@ class Writer:
         ours, theirs = local.compat(), lane.compat
         if not _whole(req):  # a slice of heads or layers: regions are paired and sized by the planner
             ours, theirs = _without_regions(ours), _without_regions(theirs)
-        diff = compat_diff(ours, theirs)
+        diff = compat_diff(ours, theirs) if ours != theirs else []  # equal structs compare in C; the diff says how they differ
         if diff and (kv.spec.heads.local, kv.spec.layers) != (lane.heads_local, lane.layers) \
                 and not compat_diff(_without_regions(ours), _without_regions(theirs)):
             # One model split otherwise: whole pages are what the decode plans between engines of equal TP and PP.
@@ -190,7 +189,11 @@ class Writer:
                 raise errors.PeerUnreachable("the decode daemon that requested this room is gone", room=room_of(room.id))
             if w.last:  # before the last chunk's bytes move (in a room of one chunk: before any)
                 self._check_end(room, w)
-            ready = list(itertools.takewhile(lambda chunk: not chunk.waiting, w.chunks))  # in order: none after one that waits
+            ready = []  # in order: none after one that waits for its CUDA event
+            for chunk in w.chunks:
+                if chunk.waiting:
+                    break
+                ready.append(chunk)
             targets = np.arange(w.dst_pages.size) if req.staged_at else w.dst_pages  # a staged leg's are positions
             planned = [chunk_pages(chunk.first_page, chunk.pages, req.skip_pages, targets, room_of(room.id)) for chunk in ready]
             blocks = []
@@ -305,7 +308,8 @@ class Writer:
             self.port.send_peer(peer.identity, SessionsDrained(sessions=sessions))
 
     def _kv_written(self, job: Job) -> None:
-        self._give_extent(self.state.gathered.pop(job, None))  # its writes settled: nothing reads the extent any more
+        if self.state.gathered:  # its writes settled: nothing reads its extent any more
+            self._give_extent(self.state.gathered.pop(job, None))
         room = self._settled(job)
         w = self.state.work.get(job.id)
         if room is None or w is None or room.finished:
