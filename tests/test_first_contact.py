@@ -21,12 +21,13 @@ import time
 
 import pytest
 
-from pdxfer.core.protocol import ErrorCode, RoomState
+from pdxfer.core.protocol import AdminPeers, ErrorCode, RoomState
+from pdxfer.ops.inspection import AdminClient
 from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.tools.launch import start_daemon
 
 from .conftest import needs_mooncake
-from .roomkit import engine, free_port, wait_until
+from .roomkit import engine, free_port, kill, start_room, wait_until
 
 pytestmark = needs_mooncake
 
@@ -230,6 +231,53 @@ def test_a_cluster_secret_on_one_side_only_fails_the_room_at_once_naming_it(daem
     refused = wait_until(lambda: [line for line in open(prefill.log_path) if "closing a connection from" in line and decode.ready["incarnation"] in line],
                          10, "the prefill to log the refusal")
     assert logged in refused[0], refused
+
+
+def log_lines(daemon, *needles: str) -> list[str]:
+    with open(daemon.log_path) as fh:
+        return [line for line in fh if all(n in line for n in needles)]
+
+
+def test_a_prefill_killed_with_sigkill_is_shown_gone_and_logged_at_once(daemons):
+    """The decode's `peers` stops calling it alive within a moment of the kill (its
+    connection closed), and its log says so, without waiting for heartbeats."""
+    prefill, decode = daemons("prefill"), daemons("decode")
+    p, d = engine(prefill), engine(decode)
+    try:
+        start_room(p, d, prefill.bootstrap, 1, [1, 2], [3, 4], seed=1)
+        assert d.wait(1, timeout=10).state is RoomState.SUCCESS
+        assert [peer.state for peer in admin_peers(decode)] == ["alive"]
+        killed = kill(prefill)
+        gone = wait_until(lambda: [peer.state for peer in admin_peers(decode) if peer.state != "alive"], 3, "the prefill shown not alive")
+        seen = time.monotonic() - killed
+        lost = wait_until(lambda: log_lines(decode, "WARNING", prefill.bootstrap, "connection"), 3, "the decode to log the lost prefill")
+    finally:
+        p.close()
+        d.close()
+    assert gone == ["connecting"] and seen < 3, (gone, seen)
+    assert "lost" in lost[0] or "refused" in lost[0], lost
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-group"])
+def test_ctrl_c_or_a_sigterm_to_the_process_group_stops_a_daemon_quietly(runtime_dir, tmp_path, sig):
+    """A shell's Ctrl-C (SIGINT) or a SIGTERM to the whole group reaches the daemon and
+    its transfer engine's process alike: the daemon drains and stops, exit 0, and its
+    log holds no traceback and no error of an engine process ended under it."""
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        daemon = start_daemon("prefill", runtime_dir, "--log-level", "info", stderr=log, own_group=True)
+    assert daemon.ready["engine_pid"] != daemon.pid  # its transfer engine runs in a process of its own
+    os.killpg(daemon.pid, sig)
+    code = daemon.wait(20)
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "stopped" in text and "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert not [line for line in text.splitlines() if " ERROR " in line], text
+
+
+def admin_peers(daemon) -> list:
+    with AdminClient(daemon.ready["admin"]) as admin:
+        return list(admin.call(AdminPeers).peers)
 
 
 # --- the README's engine example

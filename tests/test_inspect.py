@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 from pdxfer.client import Client
-from pdxfer.core.protocol import Role, RoomInfo, RoomState, SlotInfo
+from pdxfer.core.protocol import PeerInfo, Role, RoomInfo, RoomState, SlotInfo
 from pdxfer.core.stamp import HEADER_BYTES
 from pdxfer.host import memory
 from pdxfer.ops import inspection as inspect_mod
@@ -405,6 +405,18 @@ def test_peers_table_and_peer_filter(scene):
     assert [p["address"] for p in one] == [f"tcp://{s.slow.bootstrap}"]
     missing = s.cli(s.decode, "peer", "10.9.9.9:1")
     assert missing.returncode == inspect_mod.EXIT_REFUSED and "no peer matches" in missing.stderr
+
+
+def test_the_peers_table_shows_a_silent_peers_waiting_rooms_and_when_they_will_be_fenced():
+    silent = PeerInfo(address="tcp://10.0.0.5:8998", name="p1", incarnation="ab12", state="silent", last_heard=3.2, rtt_ms=-1.0,
+                      clock_skew_ms=0.0, rooms=4, fence_pending=3, fence_in=7.5)
+    alive = PeerInfo(address="tcp://10.0.0.6:8998", name="p2", incarnation="cd34", state="alive", last_heard=0.1, rtt_ms=0.4,
+                     clock_skew_ms=0.1, rooms=2)
+    header, *rows = inspect_mod.peers_table([silent, alive]).splitlines()
+    cells = {row.split()[0]: re.split(r"\s{2,}", row.strip()) for row in rows}
+    assert re.split(r"\s{2,}", header.strip())[-2:] == ["FENCE-PENDING", "FENCED IN"]
+    assert cells["tcp://10.0.0.5:8998"][3] == "silent" and cells["tcp://10.0.0.5:8998"][-2:] == ["3", "7.5s"]
+    assert cells["tcp://10.0.0.6:8998"][-2:] == ["0", "-"]  # nothing waits: nothing to fence
 
 
 # --- slots

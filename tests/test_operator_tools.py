@@ -217,9 +217,13 @@ def test_metrics_include_the_standard_process_metrics(scene):
 
 
 def test_native_stderr_lines_become_json_entries():
-    assert logs.native_entry("W1125 19:15:19.439092  5267 transfer_engine_py.cpp:120] Using default malloc/free for protocol: tcp", 1.5) == (
-        "warning", {"ts": 1.5, "level": "warning", "logger": "mooncake", "msg": "Using default malloc/free for protocol: tcp",
-                    "source": "transfer_engine_py.cpp:120"})
+    assert logs.native_entry("W1125 19:15:19.439092  5267 tcp_transport.cpp:120] Failed to connect: 10.0.0.5:15001", 1.5) == (
+        "warning", {"ts": 1.5, "level": "warning", "logger": "mooncake", "msg": "Failed to connect: 10.0.0.5:15001",
+                    "source": "tcp_transport.cpp:120"})
+    # What every healthy start prints, glog's info lines and its routine warnings and errors, is debug.
+    assert logs.native_entry("W1125 19:15:19.4 5267 transfer_engine_py.cpp:120] Using default malloc/free for protocol: tcp", 0)[0] == "debug"
+    assert logs.native_entry("E1125 19:15:19.4 5267 transfer_metadata.cpp:1098] Local segment descriptor not found", 0)[0] == "debug"
+    assert logs.native_entry("I1125 19:15:19.4 5267 tcp_transport.cpp:391] TcpTransport: listen on port 15745", 0)[0] == "debug"
     assert logs.native_entry("F1125 01:02:03.000001 77 tcp_transport.cpp:9] Check failed: x", 0)[1]["level"] == "critical"
     assert logs.native_entry(logs.GLOG_BANNER, 0)[0] == "debug"
     assert logs.native_entry("Traceback (most recent call last):", 0)[1]["logger"] == "stderr"
@@ -230,6 +234,26 @@ def test_native_stderr_lines_become_json_entries():
     out = io.StringIO()
     logs.relay(io.BytesIO(b"I1125 19:15:19.1 1 a.cpp:1] quiet\nE1125 19:15:19.1 1 a.cpp:2] loud\n\xff no newline at the end"), out, "warning")
     assert [json.loads(line)["msg"] for line in out.getvalue().splitlines()] == ["loud", "\ufffd no newline at the end"]
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_text_log_keeps_the_transfer_engines_routine_lines_out_of_the_way(runtime_dir, tmp_path, level):
+    """`pdxfer serve` with every glog level let through: at info, nothing from the
+    transfer engine before the ready line (it printed ~20 lines, two of them errors of
+    no consequence); at debug, each of those lines in the daemon's own format, with
+    its source file, and no raw glog line either way."""
+    path = tmp_path / "stderr"
+    with open(path, "w") as stderr:
+        daemon = start_daemon("prefill", runtime_dir, "--log-level", level, stderr=stderr, env={"GLOG_minloglevel": "0"})
+    assert daemon.stop() == 0
+    lines = path.read_text().splitlines()
+    assert not [line for line in lines if logs.GLOG_LINE.fullmatch(line) or line == logs.GLOG_BANNER], lines
+    engine = [line for line in lines if " mooncake: " in line]
+    if level == "info":
+        assert engine == [] and not [line for line in lines if " ERROR " in line or " WARNING " in line], lines
+    else:
+        assert any("DEBUG [prefill] mooncake: Local segment descriptor not found (transfer_metadata.cpp:" in line for line in engine), engine
+        assert len(engine) >= 10 and all(" DEBUG " in line for line in engine), engine
 
 
 def relay_of(pid: int) -> int:
@@ -243,7 +267,7 @@ def relay_of(pid: int) -> int:
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
 def test_json_logs_are_json_lines_only_the_transfer_engines_own_included(runtime_dir, tmp_path, stop):
     """`pdxfer serve --log-format json` with every glog level let through: each stderr
-    line parses, the transfer engine's lines keep their level and source, and the
+    line parses, the transfer engine's lines keep their source (routine ones debug), and the
     relay that turns them into JSON writes what it read and exits once the daemon has
     gone, even killed."""
     path = tmp_path / "stderr"
@@ -259,8 +283,9 @@ def test_json_logs_are_json_lines_only_the_transfer_engines_own_included(runtime
         wait_until(lambda: not os.path.exists(f"/proc/{relay}"), 10, "the relay to exit")
     entries = [json.loads(line) for line in path.read_text().splitlines()]
     engine_lines = [e for e in entries if e["logger"] == "mooncake"]
-    assert {"debug", "info", "warning", "error"} <= {e["level"] for e in engine_lines}, engine_lines
-    assert all(e["source"].split(":")[0].endswith(".cpp") for e in engine_lines if e["level"] != "debug")
+    # A healthy start and stop print only glog's routine lines: each with its source, all debug (logs.ROUTINE_GLOG).
+    assert len(engine_lines) >= 10 and {e["level"] for e in engine_lines} == {"debug"}, engine_lines
+    assert all(e["source"].split(":")[0].endswith(".cpp") for e in engine_lines if e["msg"] != logs.GLOG_BANNER)
     assert any(e["logger"] == "pdxfer.daemon" and "ready" in e["msg"] for e in entries)
     if stop == "sigterm":  # the engines' lines as they shut down, and the daemon's last line after them
         assert any("removeSegmentDesc" in e["msg"] for e in engine_lines) and entries[-1]["msg"].endswith("stopped")
@@ -269,21 +294,33 @@ def test_json_logs_are_json_lines_only_the_transfer_engines_own_included(runtime
 # --- docs/operating.md's example of a room nobody serves
 
 
-def test_a_room_from_an_address_nobody_serves_times_out_as_the_readme_shows(daemons):
-    """A decode room expected from an address where no prefill daemon listens ends at
-    the bootstrap timeout as `timeout` (no link ever came up, so no heartbeat was
-    missed), and docs/operating.md's example says so rather than `peer_dead` after 5 s."""
+def test_a_room_from_an_address_nobody_serves_says_so_at_once_and_times_out_as_the_docs_show(daemons):
+    """A decode room expected from an address where no prefill daemon listens: the
+    decode keeps trying (a prefill may be starting), but its status and its log say at
+    once that the address refuses connections, the log once, not once per retry. It
+    ends at the bootstrap timeout as `timeout` (no link ever came up, so no heartbeat
+    was missed), saying what it waited for, and docs/operating.md's example says so
+    rather than `peer_dead` after 5 s."""
     decode = daemons("decode", "--bootstrap-timeout", "2")
     client = engine(decode)
+    nobody = f"127.0.0.1:{free_port()}"
     try:
         started = time.monotonic()
-        client.expect(1, f"127.0.0.1:{free_port()}", np.array([0]), client.alloc_slot())
+        client.expect(1, nobody, np.array([0]), client.alloc_slot())
+        waiting = wait_until(lambda: (st := client.poll(1)).reason and st, 1.5, "the room's status to say why it waits")
+        assert waiting.state.value == "bootstrapping" and f"connection refused by {nobody}" in waiting.reason, waiting
         status = client.wait(1)
         assert status.state.value == "failed" and status.code.value == "timeout", status
-        assert "no progress for 2s in bootstrapping" in status.reason and time.monotonic() - started >= 2
+        assert status.reason.startswith("no progress for 2s in bootstrapping, waiting for prefill") and f"connection refused by {nobody}" in status.reason
+        assert time.monotonic() - started >= 2
     finally:
         client.close()
+    with open(decode.log_path) as fh:
+        warned = [line for line in fh if f"cannot reach prefill tcp://{nobody}" in line]
+    assert len(warned) == 1 and " WARNING " in warned[0] and "connection refused" in warned[0] and "1 rooms waiting" in warned[0], warned
     tour = open(os.path.join(os.path.dirname(__file__), "..", "docs", "operating.md")).read()
-    nobody = [line for line in tour.splitlines() if line.startswith("7004  decode  failed")]
-    assert nobody and all("[timeout] no progress for 30s in bootstrapping" in line for line in nobody), nobody
+    failed_rows = [line for line in tour.splitlines() if line.startswith("7004  decode  failed")]
+    assert failed_rows and all("[timeout] no progress for 30s in bootstrapping, waiting for prefill" in line for line in failed_rows), failed_rows
+    waiting = [line for line in tour.splitlines() if line.startswith("decode   7004  decode   bootstrapping")]
+    assert waiting and all("waiting for prefill tcp://127.0.0.1:39543: connection refused" in line for line in waiting), waiting
     assert "[peer_dead] prefill tcp://127.0.0.1:39543" not in tour

@@ -291,7 +291,8 @@ def slot_gen(room: RoomInfo) -> str:
 
 
 def room_error(room: RoomInfo) -> str:
-    return f"[{room.code.value}] {room.reason}" if room.code else "-"
+    """A failed room's error; a live one's note of what it waits for, if its daemon has one."""
+    return f"[{room.code.value}] {room.reason}" if room.code else room.reason or "-"
 
 
 ROOM_RIGHT = ("ROOM", LANE, "AGE", "IN STATE", "PLANNED", "MOVED")
@@ -396,16 +397,16 @@ def cmd_room(args) -> int:
 # --- peers
 
 
-PEER_COLUMNS = ("ADDRESS", "NAME", "INCARNATION", "STATE", "LAST HEARD", "RTT", "SKEW", "ROOMS")
+PEER_COLUMNS = ("ADDRESS", "NAME", "INCARNATION", "STATE", "LAST HEARD", "RTT", "SKEW", "ROOMS", "FENCE-PENDING", "FENCED IN")
 
 
-PEER_RIGHT = ("LAST HEARD", "RTT", "SKEW", "ROOMS")
+PEER_RIGHT = ("LAST HEARD", "RTT", "SKEW", "ROOMS", "FENCE-PENDING", "FENCED IN")
 
 
 def peer_rows(peers: list[PeerInfo]) -> list[tuple]:
     return [
         (p.address, p.name or "-", p.incarnation or "-", p.state, tables.ago(p.last_heard), tables.millis(p.rtt_ms, unknown=-1.0),
-         tables.millis(p.clock_skew_ms), p.rooms)
+         tables.millis(p.clock_skew_ms), p.rooms, p.fence_pending, tables.duration(p.fence_in))
         for p in peers
     ]
 

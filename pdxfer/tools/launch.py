@@ -91,14 +91,17 @@ def stop_all(daemons, timeout: float = 10.0) -> list[int]:
 
 
 def start_daemon(
-    role: str, runtime_dir: str, *flags: str, name: str = "", stderr=None, timeout: float = 30.0, env: dict | None = None
+    role: str, runtime_dir: str, *flags: str, name: str = "", stderr=None, timeout: float = 30.0, env: dict | None = None,
+    own_group: bool = False,
 ) -> DaemonProcess:
-    """Run ``pdxfer serve`` and wait for its ready line (``env``: extra variables)."""
+    """Run ``pdxfer serve`` and wait for its ready line (``env``: extra variables;
+    ``own_group``: in a process group of its own, as a shell's job is)."""
     name = name or role
     argv = [sys.executable, "-m", "pdxfer", "serve", "--role", role, "--name", name, "--runtime-dir", runtime_dir]
     if role == "prefill" and "--bootstrap-port" not in flags:
         argv += ["--bootstrap-port", "0"]
-    proc = subprocess.Popen(argv + list(flags), stdout=subprocess.PIPE, stderr=stderr, env={**_env(), **(env or {})}, text=True)
+    proc = subprocess.Popen(argv + list(flags), stdout=subprocess.PIPE, stderr=stderr, env={**_env(), **(env or {})}, text=True,
+                            process_group=0 if own_group else None)
     line = _read_line(proc, timeout)
     if line is None:
         if proc.poll() is None:

@@ -225,6 +225,11 @@ class Host:
 def main() -> None:
     # The daemon's end of the pair is fd 3 (isolated.py passes it); this process dies with the daemon.
     memory.libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Ctrl-C, or a SIGTERM to the daemon's process group, is the daemon's to act on: it
+    # drains, then ends this process. Taken here too, it would end the writes of the
+    # drain (a KeyboardInterrupt traceback; "ended, writes lost" from the daemon).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     if os.getppid() == 1:  # the daemon died before we could ask to die with it
         return
