@@ -249,7 +249,7 @@ class Session:
             return self._lost.get(room)
         try:
             return ask(self._client)
-        except errors.Timeout:  # not settled yet
+        except errors.Timeout:  # not settled in time (wait), or no answer in time (poll): nothing heard, nothing refused
             return None
         except errors.DaemonGone as exc:
             self._gone(exc)

@@ -129,6 +129,8 @@ class WorkerHalf:
         fenced or not: vLLM ends the request (or readies its recomputation) now, and holds
         the blocks until the room settled."""
         status = self.session.status(r.room)
+        if status is None:  # the daemon did not answer in time: asked again next step
+            return
         if receiving and status.state is RoomState.FAILED:
             self._failed(r, status.reason)
         if settled(status):
