@@ -78,8 +78,9 @@ LAYERS: dict[str, Rule] = {
     # the CPU KV an adapter moves there shares, so that the orphan sweep finds it.
     "adapters": rule("client core.* host.memory adapters.*", "sglang torch numpy msgspec"),
     # vLLM's connector: vLLM and torch too, and the engine library's shared memory
-    # (host.memory), where the CPU KV cache moves so that the daemon can map it.
-    "adapters.vllm": rule("client core.* host.memory adapters.cuda adapters.vllm.*", "vllm torch numpy"),
+    # (host.memory), where the CPU KV cache moves so that the daemon can map it; its
+    # daemon session is the adapters' one (adapters.session).
+    "adapters.vllm": rule("client core.* host.memory adapters.cuda adapters.session adapters.vllm.*", "vllm torch numpy"),
     # The request params are shared with the proxy, which runs without vLLM installed:
     # `pdxfer proxy`'s face (its flags, loaded by cli) and its aiohttp server, loaded when it runs.
     "adapters.vllm.params": rule(""),

@@ -172,10 +172,9 @@ class PdxferKVManager(CommonKVManager):
             self.link.send(room, kv_indices, skip + index_slice.start, last=is_last_chunk,
                            num_tokens=skip * self.kv_args.page_size + tokens, row=aux_index if is_last_chunk else -1,
                            cuda_event=cuda_event)
-        except errors.PdxferError as exc:
+        except errors.PdxferError as exc:  # the link aborted the room
             self.record_failure(room, f"pdxfer [{exc.code.value}] {exc.message}")
             self.update_status(room, KVPoll.Failed)
-            self.link.abort(room, "the engine could not hand over a chunk")
 
     def _after(self, room: int, wait_event) -> bytes:
         """The IPC handle of an event that completes after ``wait_event``, for the daemon to

@@ -1,32 +1,34 @@
 """One SGLang rank's connection to its pdxfer daemon, shaped for a scheduler that polls.
 
+The connection is the adapters' daemon session (adapters/session.py): connected and
+registered once, a daemon that goes away fails, fenced, every room this rank had on it
+and is connected to again after ``RECONNECT_SECONDS``, a refusal settles its room (A10).
 SGLang calls its transfer backend from the scheduler thread (and, for the retraction
-path's aborts, from a helper thread): every call to the client is made under one lock,
-and none waits for the daemon except registration, slot grants and aborts. Statuses are
-those the daemon pushed (B6: a poll sends nothing). A daemon that goes away fails, fenced,
-every room this rank had on it (its transfer engine went with it, so nothing more lands),
-and the next call after ``RECONNECT_SECONDS`` connects again and registers the same
-memory, so new rooms work once the daemon is back (A10).
+path's aborts, from a helper thread), which the session serialises; no call waits for
+the daemon except registration, slot grants, aborts and giving back what the daemon
+refused. Statuses are those the daemon pushed (B6: a poll sends nothing). The link adds
+SGLang's metadata rows as the aux record, the prefill daemon's bootstrap endpoint and
+the decode daemon's fence bound from each welcome, and the release of a room only once
+no write for it can land.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from ...client import Client, Slot
+from ...client import settled
 from ...core import config, errors
-from ...core.protocol import ErrorCode, Rank, Role, RoomState, RoomStatus
+from ...core.protocol import Rank, Role, RoomStatus, Welcome
+from ..session import Session
 from .layout import Registration
 
 log = logging.getLogger("pdxfer.sglang")
-
-RECONNECT_SECONDS = 1.0
-SLOT_BATCH = 16  # aux slots asked for at once: one round trip per 16 rooms, not one per room
 
 
 def daemon_endpoint(role: str, env=os.environ) -> str:
@@ -108,18 +110,10 @@ class Rows(NamedTuple):
 class Link:
     def __init__(self, endpoint: str, *, engine_id: str, role: Role, rank: Rank, sizes: Rank, device: str,
                  kv: Registration, rows: Rows, aux_slots: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.endpoint = endpoint
-        self.role = role
-        self._hello = dict(engine_id=engine_id, role=role, rank=rank, sizes=sizes, device=device)
-        self._kv = kv
         self.rows = rows
-        self._aux_slots = aux_slots
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._client: Client | None = None
-        self._retry_at = 0.0
-        self._rooms: dict[int, Slot | None] = {}  # rooms posted on this connection -> their aux slot
-        self._lost: dict[int, RoomStatus] = {}  # rooms of a connection that went away
+        self.session = Session(endpoint, engine_id=engine_id, role=role, rank=rank, sizes=sizes, device=device, kv=kv,
+                               aux_slots=aux_slots, aux_bytes=rows.record_bytes, on_welcome=self._welcomed, clock=clock)
+        self._lock = threading.Lock()  # _dropping: added to from SGLang's helper thread, taken from its scheduler's
         self._dropping: set[int] = set()  # rooms to release once they settle
         self.bootstrap = ("", 0)  # the prefill daemon's bootstrap endpoint (host, port)
         self.fence_bound = 0.0  # decode: within how long the daemon fences a failed room (Welcome.fence_bound)
@@ -128,154 +122,76 @@ class Link:
 
     def open(self) -> None:
         """Connect and register, or raise naming the daemon SGLang could not use."""
-        with self._lock:
-            try:
-                self._connect()
-            except errors.PdxferError as exc:
-                raise RuntimeError(
-                    f"pdxfer: no usable {self.role.value} daemon at {self.endpoint} ({exc}); start one beside this "
-                    f"server (pdxfer serve --role {self.role.value}) or point {config.ENDPOINT_ENV} at it"
-                ) from exc
-
-    def _connect(self) -> None:
-        client = Client(self.endpoint, slot_batch=SLOT_BATCH, **self._hello)
         try:
-            welcome = client.connect()
-            client.register_kv(self._kv.buffers, self._kv.spec, self._kv.regions)
-            client.create_aux_buffer(num_slots=self._aux_slots, payload_bytes=self.rows.record_bytes)
-        except BaseException:
-            client.close()
-            raise
+            self.session.open()
+        except errors.PdxferError as exc:
+            role = self.session.role.value
+            raise RuntimeError(
+                f"pdxfer: no usable {role} daemon at {self.session.endpoint} ({exc}); start one beside this "
+                f"server (pdxfer serve --role {role}) or point {config.ENDPOINT_ENV} at it"
+            ) from exc
+
+    def _welcomed(self, welcome: Welcome) -> None:
         self.fence_bound = welcome.fence_bound
         if welcome.bootstrap:
             host, _, port = welcome.bootstrap.rpartition("//")[2].rpartition(":")
             if self.bootstrap[1] and self.bootstrap != (host, int(port)):
                 log.error("pdxfer prefill daemon at %s came back with bootstrap %s:%s, not %s:%d as SGLang's /route row says: "
-                          "decode servers cannot reach it; restart it with --bootstrap-port %d", self.endpoint, host, port, *self.bootstrap, self.bootstrap[1])
+                          "decode servers cannot reach it; restart it with --bootstrap-port %d", self.session.endpoint, host, port,
+                          *self.bootstrap, self.bootstrap[1])
             self.bootstrap = (host, int(port))
-        self._client = client
-        log.info("pdxfer %s daemon at %s: connected, KV and aux registered", self.role.value, self.endpoint)
 
-    def _usable(self) -> Client:
-        """The connected client, connecting again when it is time to; DaemonGone while
-        there is none."""
-        if self._client is None:
-            if self._clock() < self._retry_at:
-                raise errors.DaemonGone(f"the daemon at {self.endpoint} went away; connecting again every {RECONNECT_SECONDS:g}s")
-            self._retry_at = self._clock() + RECONNECT_SECONDS
-            self._connect()
-        return self._client
-
-    def _gone(self, exc: errors.PdxferError) -> None:
-        """The connection broke: its rooms failed, and nothing of theirs can land now."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-            self._retry_at = self._clock() + RECONNECT_SECONDS
-        reason = exc.message
-        for room in self._rooms:
-            self._lost[room] = RoomStatus(req=0, room=room, state=RoomState.FAILED, code=ErrorCode.PEER_UNREACHABLE, reason=reason, fenced=True)
-        self._rooms.clear()
-        log.error("%s; %d room(s) failed", reason, len(self._lost))
-
-    def _do(self, action: Callable[[Client], object]):
-        """``action(client)`` under the lock; a broken connection fails its rooms and raises."""
-        with self._lock:
-            client = self._usable()
-            try:
-                return action(client)
-            except errors.DaemonGone as exc:
-                self._gone(exc)
-                raise
+    def close(self) -> None:
+        self.session.close()
 
     # --- rooms
 
     def announce(self, room: int) -> None:
-        def post(client: Client) -> None:
-            client.announce(room)
-            self._rooms[room] = None
-
-        self._do(post)
+        self.session.announce(room)
 
     def send(self, room: int, pages, first_page: int, *, last: bool, num_tokens: int = 0, row: int = -1, cuda_event: bytes = b"") -> None:
         """A chunk of ``room``; the last one carries metadata row ``row`` as the aux record.
-        ``cuda_event``: the IPC handle of an event the daemon waits on before reading it."""
-
-        def post(client: Client) -> None:
-            if not last:
-                client.send(room, pages, first_page=first_page, last=False, wait=False, cuda_event=cuda_event)
-                return
-            slot = client.alloc_slot()
-            self._rooms[room] = slot
-            self.rows.gather(row, client.aux.payload(slot).ctypes.data)
-            client.send(room, pages, first_page=first_page, last=True, num_tokens=num_tokens, slot=slot,
-                        aux_bytes=self.rows.record_bytes, wait=False, cuda_event=cuda_event)
-
-        self._do(post)
+        ``cuda_event``: the IPC handle of an event the daemon waits on before reading it.
+        A chunk not handed over aborts the room (Session.send)."""
+        self.session.send(room, pages, first_page=first_page, last=last, num_tokens=num_tokens,
+                          write_record=functools.partial(self.rows.gather, row) if last else None, cuda_event=cuda_event)
 
     def expect(self, room: int, bootstrap: str, pages, skip_pages: int, prefill_sizes: Rank | None = None) -> None:
         """A decode room from the prefill daemon at ``bootstrap``, whose server runs
         ``prefill_sizes`` (TP, PP; one rank if None)."""
-
-        def post(client: Client) -> None:
-            slot = client.alloc_slot()
-            client.expect(room, bootstrap, pages, slot, skip_pages=skip_pages, prefill_sizes=prefill_sizes, wait=False)
-            self._rooms[room] = slot
-
-        self._do(post)
+        self.session.expect(room, bootstrap, pages, skip_pages=skip_pages, prefill_sizes=prefill_sizes)
 
     def status(self, room: int) -> RoomStatus | None:
         """The room's last status, as pushed (None: nothing heard of it yet)."""
-        with self._lock:
-            lost = self._lost.get(room)
-            if lost is not None or room not in self._rooms or self._client is None:
-                return lost
-            try:
-                return self._client.poll(room)
-            except errors.DaemonGone as exc:
-                self._gone(exc)
-                return self._lost.get(room)
-            except errors.PdxferError as exc:  # the daemon refused what was posted for it: nothing of it can land
-                self._rooms.pop(room)
-                self._lost[room] = RoomStatus(req=0, room=room, state=RoomState.FAILED, code=exc.code, reason=exc.message, fenced=True)
-                return self._lost[room]
+        return self.session.status(room)
 
     def record(self, room: int) -> bytes:
         """The aux record a room that succeeded delivered, checked against its stamp."""
-        with self._lock:
-            if self._client is None:
-                raise errors.DaemonGone(f"the daemon at {self.endpoint} went away before room {room}'s record was read")
-            return self._client.aux.read(self._rooms[room], room)
+        return self.session.record(room)
 
     def quiet(self, room: int) -> bool:
         """Whether no write for ``room`` can land any more: never posted, released, settled, or lost."""
         status = self.status(room)
-        if status is None:
-            with self._lock:
-                return room not in self._rooms
-        return status.state is RoomState.SUCCESS or (status.state is RoomState.FAILED and status.fenced)
+        return not self.session.posted(room) if status is None else settled(status)
 
     def drop(self, room: int) -> None:
         """The engine wants nothing more of ``room``: released once no write for it can land."""
-        with self._lock:
-            if room in self._rooms:
+        if self.session.posted(room):
+            with self._lock:
                 self._dropping.add(room)
 
     def tidy(self) -> None:
         """Release the dropped rooms that settled (called as the engine polls)."""
-        for room in [r for r in self._dropping if self.quiet(r)]:
-            self.release(room)
+        with self._lock:
+            dropping = list(self._dropping)
+        for room in dropping:
+            if self.quiet(room):
+                self.release(room)
 
     def abort(self, room: int, reason: str) -> None:
-        with self._lock:
-            if room not in self._rooms or self._client is None:
-                return
-            try:
-                self._client.abort(room, reason)
-            except errors.DaemonGone as exc:
-                self._gone(exc)
-            except errors.PdxferError as exc:  # settled meanwhile, or never taken: nothing to stop
-                log.debug("abort of room %d: %s", room, exc)
+        """Stop a room posted here (one never posted has nothing to stop)."""
+        if self.session.posted(room):
+            self.session.abort(room, reason)
 
     def release(self, room: int) -> None:
         """Recycle ``room`` once no write for it can land: now if none can, else when it
@@ -285,20 +201,5 @@ class Link:
             self.drop(room)
             return
         with self._lock:
-            self._lost.pop(room, None)
             self._dropping.discard(room)
-            if room not in self._rooms:
-                return
-            del self._rooms[room]
-            if self._client is None:
-                return
-            try:
-                self._client.release(room, wait=False)
-            except errors.PdxferError as exc:
-                log.debug("release of room %d: %s", room, exc)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self.session.release(room)
