@@ -207,7 +207,7 @@ async def test_host_pools_are_mapped_off_the_event_loop_thread(monkeypatch, runt
         assert registered == [pool.memory.size]
         assert mapped_on and threading.get_ident() not in mapped_on
     finally:
-        for mapping in service.mappings():
+        for mapping in service.lanes.held_mappings():
             mapping.close()
         pool.close()
 

@@ -214,7 +214,7 @@ def cut(decode, p1, failed, frozen_at: float) -> None:
     assert fence_pending(decode) == len(failed)
     with AdminClient(decode.ready["admin"], timeout=30) as admin:
         reply = admin.call(AdminPeers, cut=p1.bootstrap)
-    assert sum(p.fence_pending for p in reply.peers) == 0
+    assert sum(p.fence_pending for p in reply.peers) == 0 and reply.fenced == len(failed)  # what `pdxfer peer P --cut` prints
 
 
 @pytest.mark.timeout(900)

@@ -584,6 +584,31 @@ def test_drain_a_peer_with_admin_writes(daemons):
         d.close()
 
 
+def test_cut_replaces_the_decode_daemons_sessions_and_says_how_many_rooms_it_fenced(daemons):
+    """`pdxfer peer P --cut` on a decode daemon (--admin-writes): answered once its old
+    transfer sessions ended, with how many fence-pending rooms that fenced (none here:
+    the prefill is healthy), and the prefill writes the next room through the new ones."""
+    prefill, decode = daemons("prefill"), daemons("decode", "--admin-writes")
+    p, d = engine(prefill), engine(decode)
+    try:
+        d.expect(1, prefill.bootstrap, np.array([1]), d.alloc_slot())
+        send(p, 1, [3], 4)
+        assert d.wait(1, timeout=10).state is RoomState.SUCCESS
+        out = pdxfer("peer", prefill.bootstrap, "--cut", "--daemon", decode.ready["admin"])
+        assert out.returncode == 0, out.stderr
+        assert "cut: transfer sessions replaced; 0 fence-pending room(s) fenced" in out.stdout, out.stdout
+        info = json.loads(pdxfer("peers", "--json", "--daemon", decode.ready["admin"]).stdout)["peers"]
+        assert [peer["state"] for peer in info] == ["alive"]
+        d.expect(2, prefill.bootstrap, np.array([2]), d.alloc_slot())
+        send(p, 2, [5], 4)
+        assert d.wait(2, timeout=10).state is RoomState.SUCCESS
+    finally:
+        p.close()
+        d.close()
+    counters = inspect_mod.daemon_counters(decode.ready["admin"])
+    assert counters["session_rotations"] == 1
+
+
 # --- help, units, doctor
 
 

@@ -795,6 +795,7 @@ class RoomsReply(Message, tag="rooms"):
 class PeersReply(Message, tag="peers"):
     req: ReqId
     peers: list[PeerInfo]
+    fenced: int = 0  # the answer to a cut: the rooms waiting for proof that its rotation fenced
 
 
 class SlotsReply(Message, tag="slots"):

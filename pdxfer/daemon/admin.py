@@ -99,7 +99,7 @@ def not_ready(daemon) -> list[str]:
 
 def info(daemon, req: int = 0) -> InfoReply:
     service, pump, cfg = daemon.service, daemon.pump, daemon.config
-    stats = service.stats()
+    stats = service.desk.stats()
     counters = {
         "bytes_moved": float(pump.bytes_done),
         "blocks_submitted": float(pump.blocks_submitted),

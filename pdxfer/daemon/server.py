@@ -296,13 +296,13 @@ class Daemon:
     async def drain(self) -> None:
         """Admit no new rooms; give live ones drain_timeout to finish; fail the rest."""
         self.draining = True
-        self.service.start_draining()
+        self.service.desk.start_draining()
         live = self.service.rooms.live
         log.info("draining: %d live rooms, up to %gs", live(), self.config.drain_timeout)
         deadline = time.monotonic() + self.config.drain_timeout
         while live() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        failed = self.service.fail_live(ErrorCode.ABORTED, f"the {self.config.role.value} daemon shut down (drain timeout {self.config.drain_timeout:g}s)")
+        failed = self.service.desk.fail_live(ErrorCode.ABORTED, f"the {self.config.role.value} daemon shut down (drain timeout {self.config.drain_timeout:g}s)")
         if failed:
             log.warning("drain timeout: failed %d rooms still live", failed)
             # Give their cancelled writes a moment to settle, so peers hear "fenced"
@@ -355,7 +355,7 @@ class Daemon:
             self._ctx.term()
             self._ctx = None
         if self.service is not None:
-            for mapping in self.service.mappings():
+            for mapping in self.service.lanes.held_mappings():
                 mapping.close()
         if self._name_lock is not None:  # only now that our sockets are gone may a successor take the name
             self._name_lock.release()
@@ -448,8 +448,8 @@ class Daemon:
         return self._cut(msg, self.side.cut(msg.cut))
 
     async def _cut(self, msg: AdminPeers, cutting: Awaitable[int]) -> Message:
-        await cutting
-        return PeersReply(req=msg.req, peers=self.service.peer_infos(time.monotonic(), time.time()))
+        fenced = await cutting
+        return PeersReply(req=msg.req, peers=self.service.peer_infos(time.monotonic(), time.time()), fenced=fenced)
 
     def _engine_process_lost(self, sessions: Peer, current: bool) -> None:
         """A transfer engine process died (isolated.py): nothing sent to its sessions can
@@ -486,7 +486,7 @@ class Daemon:
     def _engine_exited(self, identity: bytes) -> None:
         """An engine's pidfd became readable: its process exited (A10)."""
         pid = self._unwatch(identity)
-        self.service.engine_gone(identity, f"the engine process (pid {pid}) exited")
+        self.service.desk.engine_gone(identity, f"the engine process (pid {pid}) exited")
 
     def _unwatch(self, identity: bytes) -> int:
         asyncio.get_running_loop().remove_reader(self.engine_watch.pidfd(identity))
@@ -497,7 +497,7 @@ class Daemon:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             for identity, pid in self.engine_watch.gone():
-                self.service.engine_gone(identity, f"the engine process (pid {pid}) exited")
+                self.service.desk.engine_gone(identity, f"the engine process (pid {pid}) exited")
             self.service.tick()
             self.metrics.fold()
             if self.yielding is not None and time.monotonic() - window[0] >= cpu_yield.WINDOW:

@@ -442,12 +442,13 @@ def cmd_peers(args) -> int:
     return run_all(args, lambda admin: admin.call(AdminPeers).peers, show_all) if args.all else run(args, body)
 
 
+CUT_TIMEOUT = 120.0  # a cut is answered once the old sessions ended: live prefills drain them first, within the fence bound
+
+
 def cmd_peer(args) -> int:
     def body(args, admin: AdminClient) -> int:
-        pending = 0
         if args.cut:
-            before = admin.call(AdminPeers)
-            pending = sum(p.fence_pending for p in before.peers)
+            admin.timeout = max(admin.timeout, CUT_TIMEOUT)
         reply = admin.call(AdminPeers, drain=args.peer if args.drain else "", cut=args.peer if args.cut else "")
         matched = [p for p in reply.peers if args.peer in p.address or args.peer in p.name]
         if not matched:
@@ -455,7 +456,7 @@ def cmd_peer(args) -> int:
         if args.drain and not args.json:
             print(f"draining {len(matched)} peer(s): no new rooms with them; their {sum(p.rooms for p in matched)} room(s) finish")
         if args.cut and not args.json:
-            print(f"cut: transfer sessions replaced; {pending} fence-pending room(s) fenced, their pages free for reuse")
+            print(f"cut: transfer sessions replaced; {reply.fenced} fence-pending room(s) fenced, their pages free for reuse")
         show_peers(args, matched, None)
         return 0
 

@@ -217,6 +217,10 @@ class EngineDesk:
             "lanes": float(len(self.lanes)),
         }
 
+    def start_draining(self) -> None:
+        """The daemon shuts down: admit no new rooms from now on."""
+        self.draining = True
+
     def fail_live(self, code: ErrorCode, reason: str) -> int:
         """Fail every live room (shutdown); returns how many."""
         live = [room for room in self.book.rooms if not room.finished]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol
 
-from ..core.protocol import ErrorCode, Message, PeerInfo, Role, Stats
+from ..core.protocol import ErrorCode, Message, PeerInfo, Role
 from ..core.rooms import Room, RoomTable
 from .book import RoomBook
+from .engine import EngineDesk
 from .lanes import Lanes
-from .ports import Mapping
 
 
 class RoleInbound(Protocol):
@@ -21,25 +21,15 @@ class RoleInbound(Protocol):
     rooms: RoomTable  # what operators list (pdxfer rooms)
     book: RoomBook  # the rooms' outcomes and failure counts
     lanes: Lanes  # what engines registered (pdxfer slots, /readyz)
+    desk: EngineDesk  # what both roles answer their engines: engines gone, draining, stats
 
     def on_engine(self, identity: bytes, msg: Message) -> Message | Awaitable[Message] | None:
         """An engine message: the reply, an awaitable of it (a registration), or None."""
 
-    def engine_error(self, msg: Message, exc: Exception) -> Message:
-        """What the engine hears when handling ``msg`` raised ``exc``."""
-
-    def engine_gone(self, identity: bytes, reason: str) -> int: ...
-
     def tick(self) -> None: ...
-
-    def start_draining(self) -> None: ...
-
-    def fail_live(self, code: ErrorCode, reason: str) -> int: ...
 
     def fail(self, room: Room, code: ErrorCode, reason: str) -> bool:
         """An operator fails a room (pdxfer room ID --fail)."""
-
-    def stats(self, req: int = 0) -> Stats: ...
 
     def counters(self) -> dict[str, float]:
         """Everything the role counts, by name: the admin API's info and the metrics."""
@@ -50,9 +40,6 @@ class RoleInbound(Protocol):
         """The registry says a daemon of the other role is gone."""
 
     def drain(self, peer: str) -> None: ...
-
-    def mappings(self) -> list[Mapping]:
-        """Every engine buffer mapped now and every replaced one not let go yet."""
 
     def unsent(self, messages: list[Message]) -> None:
         """Peer messages that could not be queued: the live rooms they were about fail."""

@@ -306,6 +306,11 @@ class Lanes:
             out += [lane.aux.memory] if lane.aux is not None else []
         return out
 
+    def held_mappings(self) -> list[Mapping]:
+        """Every engine buffer mapped now and every replaced one not let go yet (what the
+        daemon unregisters from its transfer engines before it unmaps them)."""
+        return self.mappings() + [mapping for _, mapping in self.retired]
+
     # --- registrations
 
     async def register_kv(self, lane: Lane, msg: RegisterKV, replaced: Callable[[Lane, Replaced], None]) -> None:

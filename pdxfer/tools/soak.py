@@ -7,9 +7,10 @@ writes into reused slots and fails a few writes. In the middle of each round one
 daemon-level fault, in turn: the prefill daemon frozen (SIGSTOP) for up to 3.5 s,
 sometimes past the heartbeat bound; the decode daemon killed (-9) and restarted
 under a new incarnation; the prefill frozen longer than the decode side's lease and
-fence timeout together, so that its rooms there must wait, fence-pending, for it to
-resume and confirm (a clock would have handed their pages back while its transfer
-engine still held writes for them). Every round prints its rooms, failures by
+fence timeout together, so that its rooms there must wait, fence-pending, for a proof:
+its confirmation once it resumes, or the decode daemon ending the transfer sessions it
+could write through (--fence-bound); a clock would have handed their pages back while
+its transfer engine still held writes for them. Every round prints its rooms, failures by
 reason, corruptions (must stay 0) and both daemons' resident memory.
 """
 

@@ -25,7 +25,7 @@ engine resumes with its writes as they were.
 
 Every failed write, and every failed probe, is also told to ``on_write_failed(sessions)``
 on the event loop, once per peer per round: a write that fails to a decode daemon whose
-bootstrap connection also closed is evidence that it is gone (prefill.py), and its rooms
+bootstrap connection also closed is evidence that it is gone (roles/prefill/service.py), and its rooms
 need not wait for the retries, the probe and a reset of the transport to fail.
 """
 

@@ -2,7 +2,7 @@
 and declare Success only when the aux record's stamp (and, with --verify-kv, the KV
 digest) verifies against what this side expects (A1, S3).
 
-One link (a wire.bootstrap.PeerLink, opened by the daemon) per prefill bootstrap
+One link (a wire.bootstrap.MessageLink, opened by the daemon) per prefill bootstrap
 address. The first message on a link, and the first after every re-registration and
 every change of our transfer sessions, is a PeerHello describing this side's pools and
 the legs of the prefill's rooms we hold live; with a cluster secret it leaves only once
@@ -70,7 +70,6 @@ from ...core.protocol import (
     RoomRequest,
     RoomState,
     RoomStatus,
-    Stats,
     SessionsDrained,
     TransferStarted,
     pack_legs,
@@ -621,25 +620,6 @@ class DecodeService:
         self.sessions.cut(f"operator cut (peer {peer!r}: {', '.join(link.endpoint for link in matched)})", answer)
 
     # --- what the daemon asks of either role (roles/inbound.py)
-
-    def engine_error(self, msg: Message, exc: Exception) -> Message:
-        return self.desk.error_reply(msg, exc)
-
-    def engine_gone(self, identity: bytes, reason: str) -> int:
-        return self.desk.engine_gone(identity, reason)
-
-    def start_draining(self) -> None:
-        """The daemon shuts down: admit no new rooms from now on."""
-        self.desk.draining = True
-
-    def fail_live(self, code: ErrorCode, reason: str) -> int:
-        return self.desk.fail_live(code, reason)
-
-    def stats(self, req: int = 0) -> Stats:
-        return self.desk.stats(req)
-
-    def mappings(self) -> list:
-        return self.lanes.mappings() + [mapping for _, mapping in self.lanes.retired]
 
     def sessions_rotated(self, sessions: Peer) -> None:
         self.sessions.rotated(sessions)

@@ -62,7 +62,6 @@ from ...core.protocol import (
     RoomState,
     RoomStatus,
     Send,
-    Stats,
     TransferStarted,
     unpack_legs,
 )
@@ -628,25 +627,6 @@ class PrefillService:
         return self.writer.transport_closed()
 
     # --- what the daemon asks of either role (roles/inbound.py)
-
-    def engine_error(self, msg: Message, exc: Exception) -> Message:
-        return self.desk.error_reply(msg, exc)
-
-    def engine_gone(self, identity: bytes, reason: str) -> int:
-        return self.desk.engine_gone(identity, reason)
-
-    def start_draining(self) -> None:
-        """The daemon shuts down: admit no new rooms from now on."""
-        self.desk.draining = True
-
-    def fail_live(self, code: ErrorCode, reason: str) -> int:
-        return self.desk.fail_live(code, reason)
-
-    def stats(self, req: int = 0) -> Stats:
-        return self.desk.stats(req)
-
-    def mappings(self) -> list:
-        return self.lanes.mappings() + [mapping for _, mapping in self.lanes.retired]
 
     def counters(self) -> dict[str, float]:
         """Everything this role counts, for the admin API and the metrics."""
