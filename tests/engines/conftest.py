@@ -64,6 +64,13 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mla_model_dir(tmp_path_factory) -> str:
+    """The tiny DeepSeek-V2 (`model.MLA_CONFIG`): MLA, one latent row per token and layer."""
+    _require("safetensors")
+    return write_model_dir(str(tmp_path_factory.mktemp("mla-model")), mla=True)
+
+
+@pytest.fixture(scope="session")
 def waves():
     return standard_waves()
 

@@ -68,6 +68,7 @@ PLUGIN_ENTRY_POINTS = {
     "kvargs_dump": "tests.engines.sglang_plugins:kvargs_dump",
     "transfer_log": "tests.engines.sglang_plugins:transfer_log",
     "decode_log": "tests.engines.sglang_plugins:decode_log",
+    "mla_torch_native": "tests.engines.sglang_plugins:mla_torch_native",
 }
 BASELINE_PLUGINS = ("mooncake_cpu", "kvargs_dump", "transfer_log")
 
@@ -166,10 +167,10 @@ def _stop(workers: Sequence[Worker]) -> None:
 
 
 def generate_single(model_dir: str, workdir: str, waves: Sequence[Sequence[Request]],
-                    engine_args: dict | None = None) -> list[list[list[int]]]:
+                    engine_args: dict | None = None, plugins: Sequence[str] = ()) -> list[list[list[int]]]:
     """The reference: one engine, no disaggregation; per wave, per request, the
-    generated ids."""
-    env = engine_env(workdir, ())
+    generated ids. ``plugins``: test plugins the model needs (`PLUGIN_ENTRY_POINTS`)."""
+    env = engine_env(workdir, plugins)
     worker = _worker("sglang-single", workdir, model_dir, engine_args or {}, env)
     try:
         worker.start()

@@ -20,7 +20,17 @@ patched on disk.
   room after its transfer (`DECODE_LOGGED`): when its first token went out
   (``first_token``), when a failed room's pages began to be held for deferred release
   (``hold``) and when they went back to the pool (``release_pages``), with the
-  backend's ``is_abort_release_safe`` at that moment."""
+  backend's ``is_abort_release_safe`` at that moment.
+- ``mla_torch_native``: lets SGLang's CPU attention (``torch_native``) run a DeepSeek
+  model's MLA. SGLang picks how a DeepSeek layer attends from a registry of attention
+  backends that has no ``torch_native`` entry; the fallback it takes computes an
+  extend without prefix as plain multi-head attention over K and V it hands the
+  backend (192 and 128 wide), but ``torch_native`` always reads K and V back from the
+  pool, which holds the 576-wide latent, and the prefill fails on the shapes. The
+  plugin registers ``torch_native`` with the absorbed MLA path for every forward (the
+  query projected into the latent space, attention over the pool's latent rows), which
+  is what ``torch_native`` computes. A test-only setting of the engine: the KV a
+  transfer backend moves (the pool's latent rows) is the same either way."""
 
 from __future__ import annotations
 
@@ -74,6 +84,13 @@ DECODE_LOGGED = {
     _DECODE + "_defer_release": lambda s, a, k, r: {"call": "hold", "room": int(_arg(a, k, 0, "decode_req").req.bootstrap_room)},
     _DECODE + "_release_request": _release_record,
 }
+
+
+def mla_torch_native() -> None:
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
 
 
 def mooncake_cpu() -> None:
