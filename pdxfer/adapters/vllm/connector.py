@@ -59,7 +59,8 @@ class PdxferConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """Head-major blocks (A3): one contiguous run per (layer, block), and per head later."""
+        """Head-major blocks (A3): one contiguous run per (layer, block), and per head later.
+        None for an MLA model: its latent rows have no heads to order."""
         if vllm_config.model_config is None or vllm_config.model_config.use_mla:
             return None
         return "LBHNC"

@@ -41,8 +41,6 @@ def settings(vllm_config: VllmConfig) -> Settings:
             f"pipeline_parallel_size {parallel.pipeline_parallel_size}: PdxferConnector moves engines of one pipeline stage so far "
             "(any tensor_parallel_size); run the engine with pipeline_parallel_size 1"
         )
-    if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
-        raise Unsupported("MLA models: PdxferConnector registers head-major (LBHNC) KV only so far")
     extra = kv.kv_connector_extra_config
     daemon = extra.get("daemon") or config_mod.load({"role": role.value}).engine_address
     return Settings(role=role, engine_id=kv.engine_id, daemon=daemon, bootstrap=extra.get("bootstrap"),

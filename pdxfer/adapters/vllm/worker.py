@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -33,7 +34,6 @@ from .metadata import PdxferMetadata
 from .registration import Registration, register
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
 
     from .settings import Settings
@@ -54,11 +54,24 @@ class Room:
     failed: bool = False  # its blocks were reported as load errors
 
 
+def attention_caches(forward_context: dict) -> list[torch.Tensor]:
+    """The KV cache tensors the attention layers compute with (``layer.kv_cache``: a
+    tensor, or one per virtual engine)."""
+    out = []
+    for layer in forward_context.values():
+        cache = getattr(layer, "kv_cache", None)
+        out += [t for t in (cache if isinstance(cache, (list, tuple)) else [cache]) if isinstance(t, torch.Tensor)]
+    return out
+
+
 class WorkerHalf:
     def __init__(self, settings: Settings, vllm_config: VllmConfig) -> None:
         model = vllm_config.model_config
         self.settings = settings
-        self.shape = (model.get_total_num_hidden_layers(), model.get_total_num_kv_heads(), model.get_head_size())
+        # An MLA model's head size is its latent's width (kv_lora_rank + qk_rope_head_dim), one "head" on every rank.
+        self.mla = model.use_mla
+        self.forward_context = vllm_config.compilation_config.static_forward_context  # the attention layers, by name
+        self.shape = (model.get_total_num_hidden_layers(), 1 if self.mla else model.get_total_num_kv_heads(), model.get_head_size())
         # vLLM set up its parallel groups before it made the connector
         self.rank = Rank(tp=get_tensor_model_parallel_rank(), pp=get_pp_group().rank_in_group)
         self.sizes = Rank(tp=settings.sizes.tp, pp=settings.sizes.pp)
@@ -76,7 +89,8 @@ class WorkerHalf:
         """Register the KV cache and a stamp-only aux buffer (vLLM recomputes the last
         prompt token: no aux record, C4) with the daemon."""
         num_layers, kv_heads, head_dim = self.shape
-        reg = self.registration = register(kv_caches, extract_layer_index, num_layers, kv_heads, head_dim)
+        reg = self.registration = register(kv_caches, extract_layer_index, num_layers, kv_heads, head_dim, self.mla,
+                                           bound=attention_caches(self.forward_context))
         self.session = Session(self.settings.daemon, engine_id=self.settings.engine_id, role=self.settings.role, rank=self.rank,
                                sizes=self.sizes, device=reg.device, kv=reg, aux_slots=self.settings.aux_slots, aux_bytes=0,
                                timeouts=Timeouts(register=REGISTER_TIMEOUT, reconnect=RECONNECT_TIMEOUT, call=self.settings.timeout))
